@@ -1,0 +1,1 @@
+"""The maths of the trainers as pure tensor functions (no trainer state)."""

@@ -1,0 +1,151 @@
+"""Checkpoint directories on disk, written atomically.
+
+Layout of ``checkpoint-N`` (N = completed boundaries)::
+
+    metadata.json          progress, resolved config, model fingerprints, run identities
+    models/<name>.safetensors
+    optimizers/<name>.pt   optimizer / scheduler state dicts
+    rng.pt                 python, numpy, torch and CUDA generator states
+    stateful.pt            state_dict() of stateful datasets and callbacks (if any)
+    extra/                 trainer-specific files (PbRL pairs, reward model, history)
+    COMPLETE               written last; a directory without it is never loaded
+
+A checkpoint is assembled in ``.checkpoint-N.tmp-*`` and renamed into place only once
+complete, so a crash mid-save leaves every earlier checkpoint intact. Every ``.pt`` file
+holds tensors and plain values only and is read with ``torch.load(..., weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_model, save_model
+
+CHECKPOINT_PREFIX = "checkpoint-"
+COMPLETE_MARKER = "COMPLETE"
+METADATA_FILE = "metadata.json"
+
+
+def checkpoint_number(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith(CHECKPOINT_PREFIX):
+        return None
+    suffix = name[len(CHECKPOINT_PREFIX):]
+    return int(suffix) if suffix.isdigit() else None
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE_MARKER).is_file() and (path / METADATA_FILE).is_file()
+
+
+def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in ``checkpoint_dir``, oldest first (partial ones are skipped)."""
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        return []
+    found = [(checkpoint_number(p), p) for p in root.iterdir() if p.is_dir() and checkpoint_number(p) is not None]
+    return [p for n, p in sorted(found) if is_complete(p)]
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    complete = list_checkpoints(checkpoint_dir)
+    return complete[-1] if complete else None
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    if not is_complete(path):
+        raise ValueError(f"checkpoint {str(path)!r} is incomplete (no {COMPLETE_MARKER} marker); it cannot be loaded")
+    return json.loads((path / METADATA_FILE).read_text())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(
+    checkpoint_dir: str | Path,
+    number: int,
+    modules: dict[str, torch.nn.Module],
+    optimizers: dict[str, Any],
+    rng_state: dict[str, Any],
+    metadata: dict[str, Any],
+    stateful: dict[str, Any] | None = None,
+    write_extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``checkpoint-<number>`` atomically and return its path."""
+    root = Path(checkpoint_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{CHECKPOINT_PREFIX}{number}"
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        (staging / "models").mkdir()
+        for name, module in modules.items():
+            save_model(module, str(staging / "models" / f"{name}.safetensors"))
+        (staging / "optimizers").mkdir()
+        for name, optimizer in optimizers.items():
+            torch.save(optimizer.state_dict(), staging / "optimizers" / f"{name}.pt")
+        torch.save(rng_state, staging / "rng.pt")
+        if stateful:
+            torch.save(stateful, staging / "stateful.pt")
+        if write_extra is not None:
+            (staging / "extra").mkdir()
+            write_extra(staging / "extra")
+        (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        (staging / COMPLETE_MARKER).write_text("ok\n")
+        _fsync_dir(staging)
+        if final.exists():
+            # Re-saving a boundary (e.g. after a resume that repeated work): swap atomically.
+            retired = root / f".{final.name}.old-{os.getpid()}"
+            os.replace(final, retired)
+            os.replace(staging, final)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final
+
+
+def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
+    for name, module in modules.items():
+        file = path / "models" / f"{name}.safetensors"
+        if not file.is_file():
+            raise ValueError(f"checkpoint {str(path)!r} has no weights for {name!r}")
+        try:
+            load_model(module, str(file), strict=True)
+        except RuntimeError as error:
+            raise ValueError(f"checkpoint weights for {name!r} do not fit the model: {error}") from None
+
+
+def load_optimizers(path: Path, optimizers: dict[str, Any]) -> None:
+    for name, optimizer in optimizers.items():
+        file = path / "optimizers" / f"{name}.pt"
+        optimizer.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+
+
+def load_pt(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def prune(checkpoint_dir: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints."""
+    for old in list_checkpoints(checkpoint_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

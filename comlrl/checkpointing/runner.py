@@ -1,0 +1,173 @@
+"""Connects a trainer's ``train()`` to checkpoints: resume at the start, save at boundaries.
+
+A trainer exposes ``checkpoint_modules()``, ``checkpoint_optimizers()`` and
+``compat_settings()`` (and optionally ``save_extra``/``load_extra``); this module owns
+everything else: when to save, what the metadata holds, and what makes a resume incompatible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import comlrl
+from comlrl.checkpointing import io
+from comlrl.seeding import capture_rng_state, restore_rng_state
+
+FORMAT_VERSION = 1
+
+
+def model_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
+    """What must match for saved weights to mean the same thing: class and parameter shapes."""
+    shapes = {name: list(tensor.shape) for name, tensor in module.state_dict().items()}
+    return {"class": type(module).__name__, "num_tensors": len(shapes), "shapes": shapes}
+
+
+def _describe_shape_difference(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    if saved["class"] != current["class"]:
+        return f"architecture {current['class']} here but {saved['class']} in the checkpoint"
+    for key in sorted(set(saved["shapes"]) | set(current["shapes"])):
+        if saved["shapes"].get(key) != current["shapes"].get(key):
+            return f"tensor {key!r} has shape {current['shapes'].get(key)} here but {saved['shapes'].get(key)} in the checkpoint"
+    return "weights differ"
+
+
+def _stateful_objects(trainer: Any) -> dict[str, Any]:
+    objects = {"train_dataset": trainer.train_dataset}
+    objects.update({f"callback_{i}": cb for i, cb in enumerate(trainer.callbacks)})
+    return {
+        name: obj
+        for name, obj in objects.items()
+        if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    }
+
+
+class CheckpointRunner:
+    """Options of ``train(checkpoint_dir=..., checkpoint_interval=..., resume_from_checkpoint=...)``."""
+
+    def __init__(
+        self,
+        trainer: Any,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_interval: int = 1,
+        resume_from_checkpoint: str | Path | bool | None = None,
+        save_total_limit: int | None = None,
+    ) -> None:
+        if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
+            raise ValueError(f"checkpoint_interval must be a positive integer, got {checkpoint_interval!r}")
+        if save_total_limit is not None and (not isinstance(save_total_limit, int) or save_total_limit < 1):
+            raise ValueError(f"save_total_limit must be a positive integer or None, got {save_total_limit!r}")
+        self.trainer = trainer
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.interval = checkpoint_interval
+        self.save_total_limit = save_total_limit
+        self.resume_path = self._resolve_resume(resume_from_checkpoint)
+        self.last_saved: int | None = None
+
+    def _resolve_resume(self, resume: str | Path | bool | None) -> Path | None:
+        if resume in (None, False):
+            return None
+        if resume is True or resume == "latest":
+            if self.checkpoint_dir is None:
+                raise ValueError("resume_from_checkpoint='latest' needs checkpoint_dir")
+            return io.latest_checkpoint(self.checkpoint_dir)
+        path = Path(resume)
+        io.read_metadata(path)  # raises for missing or incomplete checkpoints
+        return path
+
+    # ----- resume -----------------------------------------------------------------------------
+    def begin(self) -> None:
+        if self.resume_path is None:
+            return
+        metadata = io.read_metadata(self.resume_path)
+        self.check_compatible(metadata)
+        trainer = self.trainer
+        io.load_modules(self.resume_path, trainer.checkpoint_modules())
+        io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers())
+        restore_rng_state(io.load_pt(self.resume_path / "rng.pt"))
+        state = dict(metadata["state"])
+        state["history"] = json.loads((self.resume_path / "history.json").read_text())
+        trainer.state = type(trainer.state)(**state)
+        stateful_file = self.resume_path / "stateful.pt"
+        if stateful_file.is_file():
+            saved = io.load_pt(stateful_file)
+            for name, obj in _stateful_objects(trainer).items():
+                if name in saved:
+                    obj.load_state_dict(saved[name])
+        if hasattr(trainer, "load_extra"):
+            trainer.load_extra(self.resume_path / "extra", metadata)
+        trainer.run_identity.update({key: metadata.get(key) for key in ("wandb", "mlflow") if metadata.get(key)})
+        self.last_saved = metadata["boundary"]
+
+    def check_compatible(self, metadata: dict[str, Any]) -> None:
+        trainer = self.trainer
+        where = f"cannot resume from {str(self.resume_path)!r}"
+        if metadata.get("trainer") != type(trainer).__name__:
+            raise ValueError(f"{where}: it was written by {metadata.get('trainer')}, not {type(trainer).__name__}")
+        current = trainer.compat_settings()
+        for key, value in current.items():
+            saved = metadata["compat"].get(key)
+            if saved != value:
+                raise ValueError(f"{where}: {key} is {value!r} here but {saved!r} in the checkpoint")
+        modules = trainer.checkpoint_modules()
+        if set(modules) != set(metadata["models"]):
+            raise ValueError(f"{where}: models {sorted(modules)} here but {sorted(metadata['models'])} in the checkpoint")
+        for name, module in modules.items():
+            fingerprint = model_fingerprint(module)
+            if fingerprint != metadata["models"][name]:
+                raise ValueError(f"{where}: {name}: {_describe_shape_difference(metadata['models'][name], fingerprint)}")
+        trainer.check_resume_progress(metadata["state"])
+
+    # ----- save -------------------------------------------------------------------------------
+    def on_boundary(self) -> None:
+        boundary = self.trainer.state.boundaries
+        if self.checkpoint_dir is not None and boundary % self.interval == 0:
+            self.save()
+
+    def end(self) -> None:
+        if self.checkpoint_dir is not None and self.last_saved != self.trainer.state.boundaries:
+            self.save()
+
+    def save(self) -> Path:
+        trainer = self.trainer
+        state = dataclasses.asdict(trainer.state)
+        history = state.pop("history")
+        modules = trainer.checkpoint_modules()
+        metadata = {
+            "format_version": FORMAT_VERSION,
+            "library_version": comlrl.__version__,
+            "trainer": type(trainer).__name__,
+            "boundary": trainer.state.boundaries,
+            "boundary_kind": trainer.boundary_kind,
+            "state": state,
+            "config": trainer.args.to_dict(),
+            "compat": trainer.compat_settings(),
+            "models": {name: model_fingerprint(module) for name, module in modules.items()},
+            "wandb": trainer.run_identity.get("wandb"),
+            "mlflow": trainer.run_identity.get("mlflow"),
+        }
+        stateful = {name: obj.state_dict() for name, obj in _stateful_objects(trainer).items()}
+
+        def write_extra(directory: Path) -> None:
+            (directory.parent / "history.json").write_text(json.dumps(history))
+            if hasattr(trainer, "save_extra"):
+                trainer.save_extra(directory)
+
+        path = io.write_checkpoint(
+            self.checkpoint_dir,
+            trainer.state.boundaries,
+            modules,
+            trainer.checkpoint_optimizers(),
+            capture_rng_state(),
+            metadata,
+            stateful=stateful,
+            write_extra=write_extra,
+        )
+        self.last_saved = trainer.state.boundaries
+        if self.save_total_limit is not None:
+            io.prune(self.checkpoint_dir, self.save_total_limit)
+        return path

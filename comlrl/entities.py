@@ -1,0 +1,220 @@
+"""Training entities: resolving and loading agents (and critics) with their tokenizers.
+
+Every trainer goes through this module, so the consistency rules of the user guide
+(``agent_model`` vs ``agents``, list lengths, ``num_agents``, tokenizers) live in one place.
+Models are given as hub identifiers, local directories or loaded ``PreTrainedModel`` objects;
+identifiers and directories both load through ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class LoadedModels:
+    """Models in role order, one tokenizer per model, and where each came from."""
+
+    models: list[PreTrainedModel]
+    tokenizers: list[PreTrainedTokenizerBase]
+    sources: list[str | None]
+
+
+def model_name(source: Any) -> str | None:
+    """The identifier/directory a source stands for (``name_or_path`` for model objects)."""
+    if isinstance(source, str):
+        return source
+    return getattr(source, "name_or_path", None) or None
+
+
+def _describe(source: Any) -> str:
+    return repr(source) if isinstance(source, str) else f"<{type(source).__name__} {model_name(source)!r}>"
+
+
+def _normalize(source: Any) -> Any:
+    """Paths are accepted wherever a directory string is."""
+    return os.fspath(source) if isinstance(source, os.PathLike) else source
+
+
+def _check_source_type(argument: str, source: Any) -> None:
+    if not isinstance(source, (str, PreTrainedModel)):
+        raise ValueError(
+            f"{argument} must be a model identifier, a local directory or a loaded "
+            f"transformers PreTrainedModel, got {type(source).__name__}: {source!r}"
+        )
+
+
+def resolve_num_agents(num_agents: int | None, config_num_agents: int, config_name: str) -> int:
+    """The constructor's ``num_agents`` may be given alongside the config's; they must agree."""
+    if num_agents is None:
+        return config_num_agents
+    if isinstance(num_agents, bool) or not isinstance(num_agents, int) or num_agents < 1:
+        raise ValueError(f"num_agents must be a positive integer, got {num_agents!r}")
+    if num_agents != config_num_agents:
+        raise ValueError(
+            f"num_agents={num_agents} (constructor) disagrees with {config_name}.num_agents="
+            f"{config_num_agents}; set both to the same value (the config alone never overrides "
+            "the constructor argument)"
+        )
+    return num_agents
+
+
+def resolve_model_list(
+    single: Any,
+    many: Sequence[Any] | None,
+    count: int,
+    single_name: str = "agent_model",
+    list_name: str = "agents",
+) -> list[Any]:
+    """Merge a homogeneous shortcut (``single``) and an explicit list (``many``) into ``count`` sources.
+
+    Both may be given only if every listed model has the shortcut's name and the list has
+    ``count`` entries; an error names the argument and the values seen otherwise.
+    """
+    single = _normalize(single)
+    if many is not None:
+        if isinstance(many, (str, PreTrainedModel)) or not isinstance(many, (list, tuple)):
+            raise ValueError(f"{list_name} must be a list of models, got {type(many).__name__}: {many!r}")
+        many = [_normalize(source) for source in many]
+        for index, source in enumerate(many):
+            _check_source_type(f"{list_name}[{index}]", source)
+        if len(many) != count:
+            raise ValueError(
+                f"{list_name} has {len(many)} entries but the number of "
+                f"{'agents' if list_name == 'agents' else 'models expected'} is {count}; "
+                f"give exactly {count}"
+            )
+        if single is not None:
+            _check_source_type(single_name, single)
+            expected = model_name(single)
+            names = [model_name(source) for source in many]
+            mismatched = [i for i, name in enumerate(names) if name != expected]
+            if mismatched:
+                raise ValueError(
+                    f"{single_name}={expected!r} does not match {list_name} names {names} "
+                    f"(entries {mismatched} differ); give only one of them, or make the names match"
+                )
+        return list(many)
+    if single is None:
+        raise ValueError(f"either {single_name} or {list_name} must be given (both are None)")
+    _check_source_type(single_name, single)
+    return [single] * count
+
+
+def load_tokenizer(source: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"could not load a tokenizer from {source!r}: {error}") from error
+
+
+def load_causal_lm(
+    source: str | PreTrainedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """Load (or move) a causal LM to ``device``/``dtype``; a loaded object is used as it is."""
+    if isinstance(source, PreTrainedModel):
+        return source.to(device=device, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"could not load a causal language model from {source!r}: {error}") from error
+    return model.to(device)
+
+
+def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, role: str) -> PreTrainedTokenizerBase:
+    """Give a tokenizer without a pad token the EOS token as pad (with a warning)."""
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {role} has neither a pad token nor an EOS token; set one")
+        logger.warning("the tokenizer of %s has no pad token; using its EOS token %r", role, tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_tokenizer_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, role: str) -> None:
+    """A tokenizer is compatible when every ID it can produce has an embedding row in the model."""
+    embeddings = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > embeddings:
+        raise ValueError(
+            f"the tokenizer given for {role} has {len(tokenizer)} tokens but the model "
+            f"{model_name(model)!r} embeds only {embeddings}; pass that model's own tokenizer"
+        )
+
+
+def resolve_tokenizers(
+    sources: list[Any],
+    tokenizer: Any,
+    explicit_for_lists: bool,
+    agents_given: bool,
+    trainer_name: str,
+    trust_remote_code: bool = False,
+) -> list[PreTrainedTokenizerBase]:
+    """One tokenizer per source: given explicitly (one shared, or a matching list) or loaded.
+
+    ``explicit_for_lists`` encodes the MAAC/IAC rule: when ``agents`` is supplied the
+    tokenizer must be explicit, even for identifier strings.
+    """
+    count = len(sources)
+    if tokenizer is None:
+        if explicit_for_lists and agents_given:
+            raise ValueError(
+                f"{trainer_name} requires an explicit tokenizer when agents is supplied (even as "
+                f"strings); pass tokenizer=AutoTokenizer.from_pretrained(...) or a list of {count}"
+            )
+        tokenizers = []
+        for index, source in enumerate(sources):
+            if not isinstance(source, str):
+                raise ValueError(
+                    f"agents[{index}] is a loaded model object ({_describe(source)}), so its tokenizer "
+                    f"cannot be loaded automatically; pass tokenizer= (one shared tokenizer or a list of {count})"
+                )
+            tokenizers.append(load_tokenizer(source, trust_remote_code))
+        return tokenizers
+    if isinstance(tokenizer, (list, tuple)):
+        if len(tokenizer) != count:
+            raise ValueError(f"tokenizer is a list of {len(tokenizer)} but there are {count} agents; give {count}")
+        return list(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise ValueError(f"tokenizer must be a transformers tokenizer or a list of them, got {type(tokenizer).__name__}")
+    return [tokenizer] * count
+
+
+def load_models(
+    sources: list[Any],
+    tokenizers: list[PreTrainedTokenizerBase],
+    device: torch.device,
+    dtype: torch.dtype,
+    role: str = "agent",
+    trust_remote_code: bool = False,
+) -> LoadedModels:
+    """Load every source; repeated identifiers and repeated objects become independent copies."""
+    models: list[PreTrainedModel] = []
+    loaded: dict[int, PreTrainedModel] = {}
+    by_name: dict[str, PreTrainedModel] = {}
+    for index, source in enumerate(sources):
+        if isinstance(source, str) and source in by_name:
+            model = copy.deepcopy(by_name[source])
+        elif not isinstance(source, str) and id(source) in loaded:
+            model = copy.deepcopy(loaded[id(source)])
+        else:
+            model = load_causal_lm(source, device, dtype, trust_remote_code)
+            if isinstance(source, str):
+                by_name[source] = model
+            else:
+                loaded[id(source)] = model
+        label = f"{role}_{index}"
+        prepare_tokenizer(tokenizers[index], label)
+        check_tokenizer_fits(model, tokenizers[index], label)
+        models.append(model)
+    return LoadedModels(models=models, tokenizers=tokenizers, sources=[model_name(s) for s in sources])

@@ -1,0 +1,176 @@
+"""Multi-agent episodes: turns, joint samples, external transitions and joint rewards.
+
+An episode starts from one dataset row per node. At each turn every agent samples
+``num_generations`` completions for every node (one batched ``generate`` per agent and
+turn); joint samples combine them (:func:`comlrl.algorithms.advantages.joint_index`). With
+more turns, each joint sample ``j`` of node ``n`` spawns node ``n * num_joint + j``, whose
+prompts come from the ``external_transition``. With ``num_generations=1`` this is a chain,
+which is what the actor-critic trainers use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from comlrl.data import Formatter, format_prompt
+from comlrl.rewards import JointReward
+from comlrl.rollout import Generation, SamplingParams, generate_completions
+
+
+@dataclass
+class Turn:
+    """One turn of every node: prompts and completions per agent, plus the histories so far."""
+
+    node_rows: list[int]
+    prompts: list[list[str]]
+    generations: list[Generation]
+    prompt_history: list[list[list[str]]]
+    response_history: list[list[list[str]]]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_rows)
+
+
+@dataclass
+class Rollout:
+    rows: list[dict[str, Any]]
+    turns: list[Turn]
+    joint_index: torch.Tensor
+
+    @property
+    def num_joint(self) -> int:
+        return self.joint_index.shape[0]
+
+    def joint_completions(self, turn: int) -> list[list[str]]:
+        """``[agent][node * num_joint + j]``: each agent's completion in every joint sample."""
+        current = self.turns[turn]
+        generations = current.generations
+        per_node = generations[0].num_generations
+        return [
+            [
+                generations[agent].texts[node * per_node + int(self.joint_index[j, agent])]
+                for node in range(current.num_nodes)
+                for j in range(self.num_joint)
+            ]
+            for agent in range(len(generations))
+        ]
+
+    def joint_rows(self, turn: int) -> list[dict[str, Any]]:
+        """The dataset row of every joint sample of ``turn`` (aligned with :meth:`joint_completions`)."""
+        return [self.rows[row] for row in self.turns[turn].node_rows for _ in range(self.num_joint)]
+
+    def generated_tokens(self) -> int:
+        return sum(g.num_tokens for turn in self.turns for g in turn.generations)
+
+
+def _generate_turn(
+    agents: Sequence[PreTrainedModel],
+    tokenizers: Sequence[PreTrainedTokenizerBase],
+    prompts: list[list[str]],
+    num_generations: int,
+    sampling: SamplingParams,
+    max_prompt_length: int | None,
+) -> list[Generation]:
+    return [
+        generate_completions(agent, tokenizer, agent_prompts, num_generations, sampling, max_prompt_length)
+        for agent, tokenizer, agent_prompts in zip(agents, tokenizers, prompts)
+    ]
+
+
+def _next_prompts(
+    transition: Callable[..., Sequence[str]],
+    row: dict[str, Any],
+    completions: list[str],
+    prompt_history: list[list[str]],
+    response_history: list[list[str]],
+    formatters: Sequence[Formatter],
+    passthrough: bool,
+    row_index: int,
+) -> list[str]:
+    num_agents = len(completions)
+    task_prompt = row.get("prompt", prompt_history[0][0])
+    returned = transition(
+        prompt=task_prompt,
+        agent_completions=list(completions),
+        num_agents=num_agents,
+        prompt_history_per_agent=prompt_history,
+        response_history_per_agent=response_history,
+    )
+    name = getattr(transition, "__qualname__", repr(transition))
+    if isinstance(returned, str) or not isinstance(returned, (list, tuple)) or len(returned) != num_agents:
+        raise ValueError(
+            f"external_transition {name} must return a list of {num_agents} prompts (one per agent), got {returned!r}"
+        )
+    bad = [i for i, prompt in enumerate(returned) if not isinstance(prompt, str)]
+    if bad:
+        raise ValueError(f"external_transition {name} returned a non-string prompt for agent {bad[0]}: {returned[bad[0]]!r}")
+    if passthrough:
+        return list(returned)
+    return [
+        format_prompt(formatters[agent], {**row, "prompt": returned[agent]}, agent, row_index)
+        for agent in range(num_agents)
+    ]
+
+
+def rollout_episodes(
+    agents: Sequence[PreTrainedModel],
+    tokenizers: Sequence[PreTrainedTokenizerBase],
+    formatters: Sequence[Formatter],
+    rows: list[dict[str, Any]],
+    joint_index: torch.Tensor,
+    num_generations: int,
+    num_turns: int,
+    sampling: SamplingParams,
+    transition: Callable[..., Sequence[str]] | None = None,
+    passthrough: bool = False,
+    max_prompt_length: int | None = None,
+    row_labels: Sequence[int | str] | None = None,
+) -> Rollout:
+    """Generate every turn of the episodes that start from ``rows``."""
+    num_agents = len(agents)
+    labels = list(row_labels) if row_labels is not None else list(range(len(rows)))
+    prompts = [[format_prompt(formatters[a], row, a, labels[r]) for r, row in enumerate(rows)] for a in range(num_agents)]
+    node_rows = list(range(len(rows)))
+    prompt_history = [[[prompts[a][n]] for a in range(num_agents)] for n in node_rows]
+    response_history: list[list[list[str]]] = [[[] for _ in range(num_agents)] for _ in node_rows]
+    rollout = Rollout(rows=rows, turns=[], joint_index=joint_index)
+    for turn_number in range(num_turns):
+        generations = _generate_turn(agents, tokenizers, prompts, num_generations, sampling, max_prompt_length)
+        turn = Turn(node_rows, prompts, generations, prompt_history, response_history)
+        rollout.turns.append(turn)
+        if turn_number == num_turns - 1:
+            break
+        completions = rollout.joint_completions(turn_number)
+        next_rows, next_prompts, next_prompt_history, next_response_history = [], [[] for _ in range(num_agents)], [], []
+        for node in range(turn.num_nodes):
+            for j in range(rollout.num_joint):
+                flat = node * rollout.num_joint + j
+                chosen = [completions[a][flat] for a in range(num_agents)]
+                responses = [turn.response_history[node][a] + [chosen[a]] for a in range(num_agents)]
+                row_index = turn.node_rows[node]
+                new = _next_prompts(
+                    transition, rows[row_index], chosen, turn.prompt_history[node], responses,
+                    formatters, passthrough, labels[row_index],
+                )
+                next_rows.append(row_index)
+                for a in range(num_agents):
+                    next_prompts[a].append(new[a])
+                next_prompt_history.append([turn.prompt_history[node][a] + [new[a]] for a in range(num_agents)])
+                next_response_history.append(responses)
+        node_rows, prompts = next_rows, next_prompts
+        prompt_history, response_history = next_prompt_history, next_response_history
+    return rollout
+
+
+def score_rollout(rollout: Rollout, reward: JointReward) -> list[torch.Tensor]:
+    """Joint rewards of every turn, ``[num_nodes_t, num_joint]`` each."""
+    scores = []
+    for turn_number, turn in enumerate(rollout.turns):
+        values = reward(rollout.joint_completions(turn_number), rollout.joint_rows(turn_number))
+        scores.append(values.reshape(turn.num_nodes, rollout.num_joint))
+    return scores

@@ -1,0 +1,93 @@
+"""Task rewards: calling user reward functions and checking what they return.
+
+A reward function takes one list of completions per agent, positionally
+(``reward_func(completions_0, completions_1, ...)``), plus ``batch_items=`` (the dataset rows)
+if it accepts that keyword, and returns one float per joint sample. Several functions can
+be combined with weights; an optional ``reward_processor`` maps each reward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+
+RewardFunc = Callable[..., Sequence[float]]
+
+
+def accepts_batch_items(func: Callable) -> bool:
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "batch_items" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def function_name(func: Callable) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+class JointReward:
+    """Weighted sum of one or more reward functions, then the optional per-reward processor."""
+
+    def __init__(
+        self,
+        reward_func: RewardFunc | Sequence[RewardFunc],
+        weights: Sequence[float] | None = None,
+        reward_processor: Callable[[float], float] | None = None,
+    ) -> None:
+        funcs = list(reward_func) if isinstance(reward_func, (list, tuple)) else [reward_func]
+        if not funcs:
+            raise ValueError("reward_func must be a callable or a non-empty list of callables")
+        for index, func in enumerate(funcs):
+            if not callable(func):
+                raise ValueError(f"reward_func[{index}] must be callable, got {type(func).__name__}")
+        if weights is None:
+            weights = [1.0] * len(funcs)
+        if len(weights) != len(funcs):
+            raise ValueError(f"reward_weights has {len(weights)} entries but there are {len(funcs)} reward functions")
+        if reward_processor is not None and not callable(reward_processor):
+            raise ValueError(f"reward_processor must be callable, got {type(reward_processor).__name__}")
+        self.funcs = funcs
+        self.weights = [float(w) for w in weights]
+        self.processor = reward_processor
+
+    def _call_one(self, func: RewardFunc, completions: list[list[str]], batch_items: list[Any]) -> list[float]:
+        name = function_name(func)
+        kwargs = {"batch_items": batch_items} if accepts_batch_items(func) else {}
+        try:
+            values = func(*completions, **kwargs)
+        except Exception as error:
+            raise RuntimeError(f"reward function {name} raised {type(error).__name__}: {error}") from error
+        if isinstance(values, torch.Tensor):
+            values = values.tolist()
+        try:
+            values = list(values)
+        except TypeError:
+            raise ValueError(f"reward function {name} must return a list of floats, got {type(values).__name__}") from None
+        expected = len(completions[0])
+        if len(values) != expected:
+            raise ValueError(f"reward function {name} returned {len(values)} rewards for {expected} joint samples")
+        checked = []
+        for index, value in enumerate(values):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"reward function {name} returned a non-number at index {index}: {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"reward function {name} returned {value} at index {index}; rewards must be finite")
+            checked.append(float(value))
+        return checked
+
+    def __call__(self, completions: list[list[str]], batch_items: list[Any]) -> torch.Tensor:
+        """Rewards of the joint samples, ``completions[agent][sample]``, as a float tensor."""
+        total = torch.zeros(len(completions[0]), dtype=torch.float32)
+        for func, weight in zip(self.funcs, self.weights):
+            total += weight * torch.tensor(self._call_one(func, completions, batch_items))
+        if self.processor is not None:
+            processed = [float(self.processor(float(value))) for value in total]
+            bad = [i for i, value in enumerate(processed) if not math.isfinite(value)]
+            if bad:
+                raise ValueError(f"reward_processor returned a non-finite value at index {bad[0]}")
+            total = torch.tensor(processed, dtype=torch.float32)
+        return total

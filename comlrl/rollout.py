@@ -1,0 +1,117 @@
+"""Generation: batched sampling of completions from one agent.
+
+All ``num_generations`` samples of every prompt come from one ``generate`` call with left
+padding and the KV cache; completions are returned as padded tensors plus a mask that
+keeps tokens up to and including the first EOS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_new_tokens: int = 32
+    do_sample: bool = True
+
+
+@dataclass
+class Generation:
+    """Completions of one agent; row ``p * num_generations + g`` is sample g of prompt p."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    texts: list[str]
+    num_generations: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.completion_mask.sum())
+
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_id: int | list[int] | None) -> torch.Tensor:
+    """1 for tokens up to and including the first EOS, 0 after it."""
+    if eos_token_id is None:
+        return torch.ones_like(completion_ids, dtype=torch.long)
+    eos_ids = torch.tensor(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id], device=completion_ids.device)
+    is_eos = torch.isin(completion_ids, eos_ids).long()
+    eos_before = torch.cumsum(is_eos, dim=1) - is_eos
+    return (eos_before == 0).long()
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    device: torch.device,
+    max_prompt_length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt IDs and mask; over-long prompts keep their last ``max_prompt_length`` tokens."""
+    encoded = tokenizer(
+        prompts,
+        return_tensors="pt",
+        padding=True,
+        padding_side="left",
+        truncation=max_prompt_length is not None,
+        truncation_side="left",
+        max_length=max_prompt_length,
+        add_special_tokens=False,
+    )
+    return encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+
+
+def _generation_config(tokenizer: PreTrainedTokenizerBase, sampling: SamplingParams, num_generations: int) -> GenerationConfig:
+    settings = dict(
+        max_new_tokens=sampling.max_new_tokens,
+        num_return_sequences=num_generations,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        use_cache=True,
+    )
+    if sampling.do_sample:
+        settings.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0)
+    else:
+        settings.update(do_sample=False)
+    return GenerationConfig(**settings)
+
+
+@torch.no_grad()  # not inference_mode: the IDs are reused in the autograd forward of the update
+def generate_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    num_generations: int,
+    sampling: SamplingParams,
+    max_prompt_length: int | None = None,
+) -> Generation:
+    """Sample ``num_generations`` completions for each prompt in one batched ``generate`` call."""
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, max_prompt_length)
+    output = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        generation_config=_generation_config(tokenizer, sampling, num_generations),
+    )
+    completion_ids = output[:, prompt_ids.shape[1]:]
+    mask = completion_mask(completion_ids, tokenizer.eos_token_id)
+    completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tokenizer.pad_token_id))
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return Generation(
+        prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
+        prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
+        completion_ids=completion_ids.clone(),
+        completion_mask=mask,
+        texts=texts,
+        num_generations=num_generations,
+    )

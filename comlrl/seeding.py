@@ -1,0 +1,53 @@
+"""Seeding and capturing/restoring every random number generator the training uses."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy, torch CPU and CUDA generator states, as tensors and plain numbers only
+    (so the file loads with ``torch.load(..., weights_only=True)``)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "position": int(position),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    python = state["python"]
+    random.setstate((python["version"], tuple(int(x) for x in python["internal"].tolist()), python["gauss"]))
+    numpy_state = state["numpy"]
+    np.random.set_state(
+        (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["position"],
+            numpy_state["has_gauss"],
+            numpy_state["cached"],
+        )
+    )
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

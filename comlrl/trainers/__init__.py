@@ -1,0 +1,5 @@
+"""Trainers: MAGRPO (reinforce), IAC/MAAC (actor_critic), MARLHF (preference)."""
+
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+__all__ = ["MAGRPOConfig", "MAGRPOTrainer"]

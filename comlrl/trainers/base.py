@@ -1,0 +1,253 @@
+"""What every trainer shares: entities, data, rewards, optimisers, the epoch loop, logging, export.
+
+A concrete trainer implements :meth:`MultiAgentTrainer.train_step` as a short sequence of
+public stages (rollout -> score -> advantages -> update); the Prefect flows call the same
+stages, so the library loop and the pipeline never diverge.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from comlrl import entities
+from comlrl.callbacks import TrainerCallback, dispatch
+from comlrl.data import batches, check_dataset, epoch_order, resolve_formatters
+from comlrl.device import default_dtype, resolve_device
+from comlrl.export import save_pretrained_models
+from comlrl.metrics import MetricWindow
+from comlrl.rewards import JointReward
+from comlrl.rollout import SamplingParams
+from comlrl.seeding import set_seed
+from comlrl.trainers.config import RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+MODEL_CONFIG_KEYS = {"dtype", "attn_implementation"}
+
+
+@dataclass
+class TrainerState:
+    """Training progress: what a checkpoint must restore to continue exactly."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    optimizer_steps: int = 0
+    boundaries: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class MultiAgentTrainer:
+    """Base of all trainers. Subclasses set ``config_class`` and implement ``train_step``."""
+
+    config_class: type[RolloutConfig] = RolloutConfig
+    tokenizer_explicit_for_lists = False
+
+    def __init__(
+        self,
+        agent_model: Any = None,
+        agents: Sequence[Any] | None = None,
+        num_agents: int | None = None,
+        tokenizer: Any = None,
+        reward_func: Callable | Sequence[Callable] | None = None,
+        reward_processor: Callable[[float], float] | None = None,
+        formatters: Callable | Sequence[Callable] | None = None,
+        external_transition: Callable | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        callbacks: Sequence[TrainerCallback] | None = None,
+        model_config: dict[str, Any] | None = None,
+        wandb_config: dict[str, Any] | None = None,
+        args: RolloutConfig | None = None,
+    ) -> None:
+        self.args = args if args is not None else self.config_class()
+        if not isinstance(self.args, self.config_class):
+            raise ValueError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
+        self.model_config = self._check_model_config(model_config)
+        self.num_agents = entities.resolve_num_agents(num_agents, self.args.num_agents, self.config_class.__name__)
+        # Everything cheap is validated before any model is loaded.
+        sources = entities.resolve_model_list(agent_model, agents, self.num_agents)
+        if reward_func is None:
+            raise ValueError(f"{type(self).__name__} needs reward_func (a callable or a list of callables)")
+        self.reward = JointReward(reward_func, self.args.reward_weights, reward_processor)
+        if train_dataset is None:
+            raise ValueError(f"{type(self).__name__} needs train_dataset")
+        check_dataset(train_dataset, "train_dataset")
+        if eval_dataset is not None:
+            check_dataset(eval_dataset, "eval_dataset")
+        if self.args.num_turns > 1 and external_transition is None:
+            raise ValueError(f"num_turns={self.args.num_turns} needs external_transition to produce the next turn's prompts")
+        if external_transition is not None and not callable(external_transition):
+            raise ValueError("external_transition must be callable")
+        self.formatters = resolve_formatters(formatters, self.num_agents)
+        self.external_transition = external_transition
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.callbacks: list[TrainerCallback] = list(callbacks or [])
+        self.wandb_config = wandb_config
+        self.device = resolve_device(self.args.device)
+        self.dtype = self.model_config.get("dtype") or default_dtype(self.device)
+
+        set_seed(self.args.seed)
+        tokenizers = entities.resolve_tokenizers(
+            sources,
+            tokenizer,
+            explicit_for_lists=self.tokenizer_explicit_for_lists,
+            agents_given=agents is not None,
+            trainer_name=type(self).__name__,
+            trust_remote_code=self.args.trust_remote_code,
+        )
+        loaded = entities.load_models(sources, tokenizers, self.device, self.dtype, "agent", self.args.trust_remote_code)
+        self.agents = loaded.models
+        self.tokenizers = loaded.tokenizers
+        self.agent_sources = loaded.sources
+        self.optimizers = [self._make_optimizer(agent.parameters(), self.args.agent_learning_rate) for agent in self.agents]
+        self.state = TrainerState()
+        self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
+
+    # ----- construction helpers -------------------------------------------------------------
+    def _check_model_config(self, model_config: dict[str, Any] | None) -> dict[str, Any]:
+        model_config = dict(model_config or {})
+        unknown = set(model_config) - self.allowed_model_config_keys()
+        if unknown:
+            raise ValueError(
+                f"model_config has unknown keys {sorted(unknown)}; allowed: {sorted(self.allowed_model_config_keys())}"
+            )
+        return model_config
+
+    def allowed_model_config_keys(self) -> set[str]:
+        return set(MODEL_CONFIG_KEYS)
+
+    def _make_optimizer(self, parameters: Any, learning_rate: float) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=self.args.weight_decay)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.args.temperature,
+            top_p=self.args.top_p,
+            top_k=self.args.top_k,
+            max_new_tokens=self.args.max_new_tokens,
+        )
+
+    # ----- the loop ---------------------------------------------------------------------------
+    def batches_per_epoch(self) -> int:
+        return len(batches(list(range(len(self.train_dataset))), self.args.per_device_train_batch_size))
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        order = epoch_order(len(self.train_dataset), self.args.seed, epoch, self.args.shuffle)
+        return batches(order, self.args.per_device_train_batch_size)
+
+    def train_step(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def train(self, **checkpoint_options: Any) -> list[dict[str, float]]:
+        """Run ``num_train_epochs`` epochs; returns the per-step metrics history."""
+        from comlrl.checkpointing.runner import CheckpointRunner
+
+        runner = CheckpointRunner(self, **checkpoint_options)
+        runner.begin()
+        dispatch(self.callbacks, "on_train_begin", self)
+        window = MetricWindow()
+        total = self.args.num_train_epochs * self.batches_per_epoch()
+        progress = tqdm(total=total, initial=self.state.global_step, disable=self.args.disable_tqdm, desc="train")
+        try:
+            while self.state.epoch < self.args.num_train_epochs:
+                self.run_epoch(window, progress)
+                runner.on_boundary()
+        finally:
+            progress.close()
+        runner.end()
+        dispatch(self.callbacks, "on_train_end", self)
+        return self.state.history
+
+    def run_epoch(self, window: MetricWindow, progress: Any = None) -> None:
+        """One epoch from ``state.step_in_epoch``; advances ``state.epoch`` when complete."""
+        epoch_batches = self.epoch_batches(self.state.epoch)
+        for batch in epoch_batches[self.state.step_in_epoch:]:
+            rows = [self.train_dataset[int(index)] for index in batch]
+            metrics = self.train_step(rows)
+            self.state.step_in_epoch += 1
+            self.state.global_step += 1
+            self.state.history.append({"step": self.state.global_step, "epoch": self.state.epoch, **metrics})
+            self._log(window, metrics)
+            self._maybe_evaluate()
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}")
+        self.state.epoch += 1
+        self.state.step_in_epoch = 0
+        self.state.boundaries += 1
+        dispatch(self.callbacks, "on_epoch_end", self, self.state.epoch)
+
+    def _log(self, window: MetricWindow, metrics: dict[str, float]) -> None:
+        window.add(metrics)
+        if self.state.global_step % self.args.logging_steps == 0:
+            averaged = window.flush()
+            logger.info("step %d: %s", self.state.global_step, averaged)
+            dispatch(self.callbacks, "on_log", self, averaged, self.state.global_step)
+
+    def _maybe_evaluate(self) -> None:
+        interval = self.args.eval_interval
+        if self.eval_dataset is not None and interval and self.state.global_step % interval == 0:
+            metrics = self.evaluate()
+            dispatch(self.callbacks, "on_log", self, metrics, self.state.global_step)
+
+    def evaluate(self) -> dict[str, float]:
+        raise NotImplementedError
+
+    def step_optimizers(self, optimizers: list[torch.optim.Optimizer], models: list[torch.nn.Module]) -> list[float]:
+        """Clip, step and zero; returns each model's gradient norm before clipping."""
+        norms = []
+        for optimizer, model in zip(optimizers, models):
+            parameters = [p for p in model.parameters() if p.grad is not None]
+            max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else float("inf")
+            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.tensor(0.0)
+            norms.append(float(norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return norms
+
+    # ----- checkpoint hooks (see comlrl.checkpointing.runner) -------------------------------
+    boundary_kind = "epoch"
+
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        return {f"agent_{i}": agent for i, agent in enumerate(self.agents)}
+
+    def checkpoint_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {f"agent_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
+
+    def compat_settings(self) -> dict[str, Any]:
+        """Settings that must be equal for a checkpoint's state to continue this run exactly."""
+        return {
+            "num_agents": self.num_agents,
+            "tokenizer_sizes": [len(t) for t in self.tokenizers],
+            "train_dataset_rows": len(self.train_dataset),
+            "per_device_train_batch_size": self.args.per_device_train_batch_size,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "seed": self.args.seed,
+        }
+
+    def check_resume_progress(self, saved_state: dict[str, Any]) -> None:
+        if saved_state["epoch"] > self.args.num_train_epochs:
+            raise ValueError(
+                f"the checkpoint has completed {saved_state['epoch']} epochs but num_train_epochs is "
+                f"{self.args.num_train_epochs}; num_train_epochs counts the whole run, so raise it"
+            )
+
+    # ----- export -----------------------------------------------------------------------------
+    def save_model(self, output_dir: str | Path) -> Path:
+        """Export the actors to ``output_dir/agent_i`` (config, safetensors weights, tokenizer).
+
+        An export, not a checkpoint: optimizer, progress and RNG states are not saved.
+        """
+        output_dir = Path(output_dir)
+        save_pretrained_models(self.agents, self.tokenizers, [output_dir / f"agent_{i}" for i in range(self.num_agents)])
+        return output_dir

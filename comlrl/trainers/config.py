@@ -1,0 +1,53 @@
+"""Config fields every trainer shares: agents, sampling, optimisation schedule, logging."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from comlrl.config import ConfigBase, option
+
+
+@dataclass
+class RolloutConfig(ConfigBase):
+    """Fields shared by every trainer: agents, sampling, optimisation schedule, logging."""
+
+    num_agents: int = option(2, "Number of agents; must agree with the constructor's num_agents and len(agents).", min=1)
+    num_turns: int = option(1, "Turns per episode; >1 needs an external_transition.", min=1)
+    num_generations: int = option(4, "Completions sampled per prompt and agent (the group size).", min=1)
+    temperature: float = option(0.7, "Sampling temperature.", min=0.0, min_exclusive=True)
+    top_p: float = option(1.0, "Nucleus-sampling probability mass (1.0 = off).", min=0.0, max=1.0, min_exclusive=True)
+    top_k: int | None = option(None, "Top-k sampling cut-off (None = off).", min=1, kind=int, optional=True)
+    max_new_tokens: int = option(32, "Maximum tokens generated per completion.", min=1)
+    max_prompt_length: int | None = option(
+        None, "Keep only the last N prompt tokens (None = no truncation).", min=1, kind=int, optional=True
+    )
+    agent_learning_rate: float = option(5e-6, "AdamW learning rate of the agents.", min=0.0, min_exclusive=True)
+    weight_decay: float = option(0.0, "AdamW weight decay of the agents.", min=0.0)
+    num_train_epochs: int = option(1, "Passes over train_dataset (counts the whole run when resuming).", min=1)
+    per_device_train_batch_size: int = option(1, "Prompts per rollout batch.", min=1)
+    gradient_accumulation_steps: int = option(1, "Rollout batches per optimizer step.", min=1)
+    max_grad_norm: float | None = option(1.0, "Clip each agent's gradient norm to this (None = no clipping).", min=0.0,
+                                         min_exclusive=True, kind=(int, float), optional=True)
+    discount: float = option(0.9, "Discount of later turns' rewards in multi-turn returns.", min=0.0, max=1.0)
+    external_prompt_passthrough: bool = option(False, "Use the transition's prompts as they are, without the formatters.")
+    reward_weights: list | None = option(None, "Weights of several reward functions (None = all 1.0).", kind=list, optional=True)
+    seed: int = option(42, "Seed of data order, sampling and initialisation.", min=0)
+    shuffle: bool = option(True, "Shuffle the rows of each epoch (seeded by seed and epoch).")
+    logging_steps: int = option(1, "Send averaged metrics to callbacks every N steps.", min=1)
+    eval_interval: int | None = option(None, "Evaluate on eval_dataset every N steps (None = only when asked).",
+                                       min=1, kind=int, optional=True)
+    eval_num_samples: int = option(4, "Rows of eval_dataset used per evaluation.", min=1)
+    device: str = option("auto", "'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    trust_remote_code: bool = option(False, "Allow model repositories to run their own code (off unless you set it).")
+    disable_tqdm: bool = option(False, "Hide the training progress bar.")
+
+    def validate(self) -> list[str]:
+        problems = []
+        name = type(self).__name__
+        if self.reward_weights is not None:
+            bad = [w for w in self.reward_weights if isinstance(w, bool) or not isinstance(w, (int, float))]
+            if bad:
+                problems.append(f"{name}.reward_weights must hold numbers, got {self.reward_weights!r}")
+        return problems
+
+

@@ -1,0 +1,140 @@
+"""MAGRPOTrainer: multi-agent group-relative policy optimisation.
+
+For each prompt every agent samples ``num_generations`` completions; ``reward_func`` scores
+the joint samples; group-relative advantages (reward minus the group mean, optionally over
+the group std) credit each agent's completions; each agent takes a clipped policy-gradient
+step on its own completions. With one agent this is GRPO.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from comlrl.algorithms.advantages import agent_advantages, group_relative_advantages, joint_index, tree_returns
+from comlrl.episodes import Rollout, rollout_episodes, score_rollout
+from comlrl.policy import behaviour_logprobs, policy_gradient_backward
+from comlrl.trainers.base import MultiAgentTrainer
+from comlrl.trainers.reinforce.config import MAGRPOConfig
+
+
+class MAGRPOTrainer(MultiAgentTrainer):
+    config_class = MAGRPOConfig
+    args: MAGRPOConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.joint_index = joint_index(self.num_agents, self.args.num_generations, self.args.joint_mode)
+
+    # ----- stages -----------------------------------------------------------------------------
+    def rollout(self, rows: list[dict[str, Any]], row_labels: list[int] | None = None) -> Rollout:
+        """Stage 1: sample every turn of the episodes starting at ``rows``."""
+        for agent in self.agents:
+            agent.eval()
+        return rollout_episodes(
+            self.agents,
+            self.tokenizers,
+            self.formatters,
+            rows,
+            self.joint_index,
+            self.args.num_generations,
+            self.args.num_turns,
+            self.sampling,
+            self.external_transition,
+            self.args.external_prompt_passthrough,
+            self.args.max_prompt_length,
+            row_labels,
+        )
+
+    def score(self, rollout: Rollout) -> list[torch.Tensor]:
+        """Stage 2: joint rewards per turn, ``[num_nodes, num_joint]`` each."""
+        return score_rollout(rollout, self.reward)
+
+    def advantages(self, rewards: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Stage 3: ``[agent][turn]`` advantages aligned with each agent's generation rows."""
+        returns = tree_returns(rewards, self.args.discount)
+        per_agent: list[list[torch.Tensor]] = [[] for _ in range(self.num_agents)]
+        for turn_returns in returns:
+            joint = group_relative_advantages(turn_returns, normalize=self.args.normalize_advantages)
+            credited = agent_advantages(joint, self.joint_index, self.args.num_generations)
+            for agent in range(self.num_agents):
+                per_agent[agent].append(credited[agent].reshape(-1))
+        return per_agent
+
+    def update(self, rollout: Rollout, advantages: list[list[torch.Tensor]]) -> dict[str, float]:
+        """Stage 4: backpropagate each agent's loss; step the optimizers at accumulation boundaries."""
+        metrics: dict[str, float] = {}
+        passes = self.args.policy_update_epochs
+        accumulation = self.args.gradient_accumulation_steps
+        for agent_index, agent in enumerate(self.agents):
+            agent.train()
+            generations = [turn.generations[agent_index] for turn in rollout.turns]
+            old = behaviour_logprobs(agent, generations, self.args.temperature) if passes > 1 else None
+            for update_pass in range(passes):
+                loss = policy_gradient_backward(
+                    agent, generations, advantages[agent_index], self.args.clip_epsilon,
+                    self.args.temperature, old, scale=1.0 / accumulation,
+                )
+                if passes > 1 and update_pass < passes - 1:
+                    metrics[f"agent_{agent_index}/grad_norm"] = self.step_optimizers([self.optimizers[agent_index]], [agent])[0]
+            metrics[f"agent_{agent_index}/loss"] = loss
+        if (self.state.global_step + 1) % accumulation == 0:
+            norms = self.step_optimizers(self.optimizers, self.agents)
+            self.state.optimizer_steps += 1
+            metrics.update({f"agent_{i}/grad_norm": norm for i, norm in enumerate(norms)})
+        return metrics
+
+    def train_step(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        start = time.perf_counter()
+        rollout = self.rollout(rows)
+        generated = time.perf_counter()
+        rewards = self.score(rollout)
+        scored = time.perf_counter()
+        metrics = self.update(rollout, self.advantages(rewards))
+        end = time.perf_counter()
+        metrics.update(self.rollout_metrics(rollout, rewards))
+        tokens = rollout.generated_tokens()
+        metrics.update(
+            step_time=end - start,
+            generation_time=generated - start,
+            reward_time=scored - generated,
+            update_time=end - scored,
+            tokens_per_second=tokens / max(end - start, 1e-9),
+        )
+        return metrics
+
+    def rollout_metrics(self, rollout: Rollout, rewards: list[torch.Tensor]) -> dict[str, float]:
+        first = rewards[0]
+        metrics = {
+            "reward_mean": float(first.mean()),
+            "reward_std": float(first.std(unbiased=False)),
+        }
+        if len(rewards) > 1:
+            for turn, turn_rewards in enumerate(rewards):
+                metrics[f"turn_{turn}/reward_mean"] = float(turn_rewards.mean())
+            metrics["return_mean"] = float(tree_returns(rewards, self.args.discount)[0].mean())
+        for agent in range(self.num_agents):
+            lengths = torch.cat([turn.generations[agent].lengths().float() for turn in rollout.turns])
+            metrics[f"agent_{agent}/completion_length"] = float(lengths.mean())
+        return metrics
+
+    # ----- evaluation -------------------------------------------------------------------------
+    def evaluate(self, dataset: Any = None, num_samples: int | None = None) -> dict[str, float]:
+        """Mean joint reward on the first ``eval_num_samples`` rows of ``eval_dataset``.
+
+        Runs under its own fixed seed inside a forked RNG, so evaluating never changes training.
+        """
+        dataset = dataset if dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
+        count = min(num_samples or self.args.eval_num_samples, len(dataset))
+        rows = [dataset[i] for i in range(count)]
+        devices = [self.device.index] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.args.seed + 1)
+            rollout = self.rollout(rows, row_labels=list(range(count)))
+            rewards = self.score(rollout)
+        metrics = self.rollout_metrics(rollout, rewards)
+        return {f"eval/{name}": value for name, value in metrics.items()}
