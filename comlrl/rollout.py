@@ -63,12 +63,13 @@ def encode_prompts(
         return_tensors="pt",
         padding=True,
         padding_side="left",
-        truncation=max_prompt_length is not None,
-        truncation_side="left",
-        max_length=max_prompt_length,
         add_special_tokens=False,
     )
-    return encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    if max_prompt_length is not None and ids.shape[1] > max_prompt_length:
+        # Left padding puts every prompt's last tokens in the rightmost columns.
+        ids, mask = ids[:, -max_prompt_length:], mask[:, -max_prompt_length:]
+    return ids.to(device), mask.to(device)
 
 
 def _generation_config(tokenizer: PreTrainedTokenizerBase, sampling: SamplingParams, num_generations: int) -> GenerationConfig:

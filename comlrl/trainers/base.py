@@ -153,6 +153,8 @@ class MultiAgentTrainer:
         from comlrl.checkpointing.runner import CheckpointRunner
 
         runner = CheckpointRunner(self, **checkpoint_options)
+        if runner.resume_path is None and self.state.global_step == 0:
+            set_seed(self.args.seed)  # a fresh run is reproducible whatever ran before it
         runner.begin()
         dispatch(self.callbacks, "on_train_begin", self)
         window = MetricWindow()

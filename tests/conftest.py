@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny local models (no network), datasets and reward functions."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import transformers
+from datasets import Dataset
+
+from comlrl.tiny import save_tiny_model
+
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+WORDS = "cat dog sun moon tree river hill road".split()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """A ~80k-parameter Llama with a 96-token BPE tokenizer, saved as a model directory."""
+    return str(save_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama", "llama", vocab_size=96, seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_b(tmp_path_factory) -> str:
+    """A second Llama of the same architecture and vocabulary but other weights."""
+    return str(save_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama-b", "llama", vocab_size=96, seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2(tmp_path_factory) -> str:
+    """A GPT-2 of another size with a different (128-token) vocabulary."""
+    return str(save_tiny_model(tmp_path_factory.mktemp("models") / "tiny-gpt2", "gpt2", vocab_size=128, seed=2))
+
+
+@pytest.fixture
+def train_dataset() -> Dataset:
+    return Dataset.from_dict({"prompt": [f"write a story about the {word}" for word in WORDS]})
+
+
+def letter_share(text: str, letter: str) -> float:
+    return text.count(letter) / max(len(text), 1)
+
+
+def joint_letter_reward(completions_0, completions_1):
+    """High when agent 0 writes many 'e's and agent 1 many 'o's: depends on both agents."""
+    return [0.5 * letter_share(a, "e") + 0.5 * letter_share(b, "o") for a, b in zip(completions_0, completions_1)]
+
+
+@pytest.fixture
+def reward_func():
+    return joint_letter_reward
