@@ -1,0 +1,1 @@
+"""Small bundled tasks for demos, tests and benchmarks."""

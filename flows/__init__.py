@@ -1,0 +1,1 @@
+"""Orchestration of comlrl training runs (Prefect flows, MLflow tracking, the CLI)."""
