@@ -37,6 +37,7 @@ class JointReward:
         reward_func: RewardFunc | Sequence[RewardFunc],
         weights: Sequence[float] | None = None,
         reward_processor: Callable[[float], float] | None = None,
+        monitors: dict[str, RewardFunc] | None = None,
     ) -> None:
         funcs = list(reward_func) if isinstance(reward_func, (list, tuple)) else [reward_func]
         if not funcs:
@@ -53,6 +54,10 @@ class JointReward:
         self.funcs = funcs
         self.weights = [float(w) for w in weights]
         self.processor = reward_processor
+        # Monitors score the same joint samples without entering the reward (e.g. the task
+        # reward while training on a learned one); their means are reported as metrics.
+        self.monitors = dict(monitors or {})
+        self._monitor_values: dict[str, list[float]] = {name: [] for name in self.monitors}
 
     def _call_one(self, func: RewardFunc, completions: list[list[str]], batch_items: list[Any]) -> list[float]:
         name = function_name(func)
@@ -90,4 +95,13 @@ class JointReward:
             if bad:
                 raise ValueError(f"reward_processor returned a non-finite value at index {bad[0]}")
             total = torch.tensor(processed, dtype=torch.float32)
+        for name, monitor in self.monitors.items():
+            self._monitor_values[name].extend(self._call_one(monitor, completions, batch_items))
         return total
+
+    def drain_monitor_metrics(self) -> dict[str, float]:
+        """Means of the monitors since the last drain, as ``monitor/<name>`` metrics."""
+        metrics = {f"monitor/{name}": sum(v) / len(v) for name, v in self._monitor_values.items() if v}
+        for values in self._monitor_values.values():
+            values.clear()
+        return metrics

@@ -58,3 +58,10 @@ def test_raising_reward_is_reraised_with_context():
 def test_weight_count_must_match():
     with pytest.raises(ValueError, match="reward_weights has 1 entries but there are 2 reward functions"):
         JointReward([len, len], weights=[1.0])
+
+
+def test_monitors_are_reported_but_do_not_enter_the_reward():
+    reward = JointReward(lambda c: [1.0, 1.0], monitors={"task": lambda c: [0.0, 4.0]})
+    assert reward([["a", "b"]], [{}, {}]).tolist() == [1.0, 1.0]
+    assert reward.drain_monitor_metrics() == {"monitor/task": 2.0}
+    assert reward.drain_monitor_metrics() == {}

@@ -29,3 +29,9 @@ def clipped_policy_loss(
     clipped = torch.clamp(ratio, 1.0 - clip_epsilon, 1.0 + clip_epsilon) * advantages
     per_token = -torch.minimum(unclipped, clipped)
     return masked_sequence_mean(per_token, mask).mean()
+
+
+def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood that each chosen response beats its rejected one:
+    ``mean(-log sigmoid(r_chosen - r_rejected))``."""
+    return -torch.nn.functional.logsigmoid(chosen - rejected).mean()

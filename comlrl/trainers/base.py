@@ -175,7 +175,9 @@ class MultiAgentTrainer:
         epoch_batches = self.epoch_batches(self.state.epoch)
         for batch in epoch_batches[self.state.step_in_epoch:]:
             rows = [self.train_dataset[int(index)] for index in batch]
+            self.reward.drain_monitor_metrics()  # discard what evaluation may have left
             metrics = self.train_step(rows)
+            metrics.update(self.reward.drain_monitor_metrics())
             self.state.step_in_epoch += 1
             self.state.global_step += 1
             self.state.history.append({"step": self.state.global_step, "epoch": self.state.epoch, **metrics})

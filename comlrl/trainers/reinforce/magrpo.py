@@ -137,4 +137,5 @@ class MAGRPOTrainer(MultiAgentTrainer):
             rollout = self.rollout(rows, row_labels=list(range(count)))
             rewards = self.score(rollout)
         metrics = self.rollout_metrics(rollout, rewards)
+        metrics.update(self.reward.drain_monitor_metrics())
         return {f"eval/{name}": value for name, value in metrics.items()}
