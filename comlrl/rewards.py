@@ -29,6 +29,13 @@ def function_name(func: Callable) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
+def _as_float(value: int | float) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 class JointReward:
     """Weighted sum of one or more reward functions, then the optional per-reward processor."""
 
@@ -38,6 +45,7 @@ class JointReward:
         weights: Sequence[float] | None = None,
         reward_processor: Callable[[float], float] | None = None,
         monitors: dict[str, RewardFunc] | None = None,
+        on_invalid: str = "raise",
     ) -> None:
         funcs = list(reward_func) if isinstance(reward_func, (list, tuple)) else [reward_func]
         if not funcs:
@@ -53,7 +61,11 @@ class JointReward:
             raise ValueError(f"reward_processor must be callable, got {type(reward_processor).__name__}")
         self.funcs = funcs
         self.weights = [float(w) for w in weights]
+        if on_invalid not in ("raise", "drop"):
+            raise ValueError(f"on_invalid must be 'raise' or 'drop', got {on_invalid!r}")
         self.processor = reward_processor
+        self.on_invalid = on_invalid
+        self.dropped = 0  # samples whose reward was a non-number, NaN or inf and were dropped
         # Monitors score the same joint samples without entering the reward (e.g. the task
         # reward while training on a learned one); their means are reported as metrics.
         self.monitors = dict(monitors or {})
@@ -77,27 +89,44 @@ class JointReward:
             raise ValueError(f"reward function {name} returned {len(values)} rewards for {expected} joint samples")
         checked = []
         for index, value in enumerate(values):
+            problem = None
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"reward function {name} returned a non-number at index {index}: {value!r}")
-            if not math.isfinite(value):
-                raise ValueError(f"reward function {name} returned {value} at index {index}; rewards must be finite")
-            checked.append(float(value))
+                problem = f"reward function {name} returned a non-number at index {index}: {value!r}"
+            elif not math.isfinite(value := _as_float(value)):
+                problem = f"reward function {name} returned {value} at index {index}; rewards must be finite"
+            if problem is None:
+                checked.append(float(value))
+            elif self.on_invalid == "drop":
+                checked.append(math.nan)  # NaN = dropped: left out of group statistics, advantage 0
+            else:
+                raise ValueError(problem + " (set invalid_reward='drop' to drop such samples and count them)")
         return checked
 
     def __call__(self, completions: list[list[str]], batch_items: list[Any]) -> torch.Tensor:
         """Rewards of the joint samples, ``completions[agent][sample]``, as a float tensor."""
-        total = torch.zeros(len(completions[0]), dtype=torch.float32)
+        total = torch.zeros(len(completions[0]), dtype=torch.float64)
         for func, weight in zip(self.funcs, self.weights):
-            total += weight * torch.tensor(self._call_one(func, completions, batch_items))
+            total += weight * torch.tensor(self._call_one(func, completions, batch_items), dtype=torch.float64)
         if self.processor is not None:
-            processed = [float(self.processor(float(value))) for value in total]
-            bad = [i for i, value in enumerate(processed) if not math.isfinite(value)]
+            processed = [float(self.processor(float(value))) if math.isfinite(value) else math.nan for value in total]
+            bad = [i for i, value in enumerate(processed) if not math.isfinite(value) and math.isfinite(total[i])]
             if bad:
                 raise ValueError(f"reward_processor returned a non-finite value at index {bad[0]}")
-            total = torch.tensor(processed, dtype=torch.float32)
+            total = torch.tensor(processed, dtype=torch.float64)
+        result = total.float()
+        overflow = torch.isinf(result) & torch.isfinite(total)
+        if overflow.any():
+            index = int(overflow.nonzero()[0])
+            if self.on_invalid == "raise":
+                raise ValueError(
+                    f"reward function(s) {[function_name(f) for f in self.funcs]} gave {float(total[index])} at index "
+                    f"{index}, beyond float32 range (set invalid_reward='drop' to drop such samples and count them)"
+                )
+            result[overflow] = math.nan
+        self.dropped += int(torch.isnan(result).sum())
         for name, monitor in self.monitors.items():
             self._monitor_values[name].extend(self._call_one(monitor, completions, batch_items))
-        return total
+        return result
 
     def drain_monitor_metrics(self) -> dict[str, float]:
         """Means of the monitors since the last drain, as ``monitor/<name>`` metrics."""

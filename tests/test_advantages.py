@@ -67,3 +67,12 @@ def test_policy_loss_clips_large_ratios():
     assert torch.allclose(loss, torch.tensor(-1.2))
     loss.backward()
     assert logprobs.grad.abs().sum() == 0  # clipped: no push beyond the trust region
+
+
+def test_dropped_samples_are_left_out_of_the_group():
+    rewards = torch.tensor([[1.0, float("nan"), 3.0]])
+    advantages = group_relative_advantages(rewards, normalize=False)
+    assert advantages.tolist() == [[-1.0, 0.0, 1.0]]
+    normalized = group_relative_advantages(rewards, normalize=True, eps=1e-8)
+    assert torch.allclose(normalized, torch.tensor([[-1.0, 0.0, 1.0]]), atol=1e-6)
+    assert not torch.isnan(group_relative_advantages(torch.full((1, 3), float("nan")))).any()

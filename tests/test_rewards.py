@@ -65,3 +65,15 @@ def test_monitors_are_reported_but_do_not_enter_the_reward():
     assert reward([["a", "b"]], [{}, {}]).tolist() == [1.0, 1.0]
     assert reward.drain_monitor_metrics() == {"monitor/task": 2.0}
     assert reward.drain_monitor_metrics() == {}
+
+
+def test_drop_mode_marks_invalid_samples_and_counts_them():
+    reward = JointReward(lambda c: [1.0, math.nan, "x", 2.0], on_invalid="drop", reward_processor=lambda r: 2 * r)
+    values = reward([["a", "b", "c", "d"]], [{}] * 4)
+    assert values[0] == 2.0 and values[3] == 4.0 and torch.isnan(values[1]) and torch.isnan(values[2])
+    assert reward.dropped == 2
+
+
+def test_raise_mode_points_to_drop():
+    with pytest.raises(ValueError, match="invalid_reward='drop'"):
+        JointReward(lambda c: [math.inf])([["a"]], [{}])

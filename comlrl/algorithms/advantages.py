@@ -9,14 +9,19 @@ def group_relative_advantages(rewards: torch.Tensor, normalize: bool = True, eps
     """Group-relative advantages: each reward minus its group's mean, optionally over its std.
 
     ``rewards`` has shape ``[num_groups, group_size]`` (one row per prompt/node). A group
-    whose rewards are all equal gets zero advantages, never NaN.
+    whose rewards are all equal gets zero advantages, never NaN. NaN marks a dropped sample:
+    it is left out of its group's statistics and gets advantage 0.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
-    centered = rewards - rewards.mean(dim=1, keepdim=True)
+    valid = ~torch.isnan(rewards)
+    count = valid.sum(dim=1, keepdim=True).clamp(min=1)
+    filled = torch.where(valid, rewards, torch.zeros_like(rewards))
+    mean = filled.sum(dim=1, keepdim=True) / count
+    centered = torch.where(valid, rewards - mean, torch.zeros_like(rewards))
     if not normalize or rewards.shape[1] < 2:
         return centered
-    std = rewards.std(dim=1, keepdim=True, unbiased=False)
+    std = torch.sqrt((centered**2).sum(dim=1, keepdim=True) / count)
     return torch.where(std > eps, centered / (std + eps), torch.zeros_like(centered))
 
 
@@ -61,6 +66,45 @@ def tree_returns(rewards_per_turn: list[torch.Tensor], discount: float) -> list[
     returns = [rewards.clone() for rewards in rewards_per_turn]
     for turn in range(len(returns) - 2, -1, -1):
         nodes, joints = returns[turn].shape
-        child_means = returns[turn + 1].mean(dim=1).reshape(nodes, joints)
+        child_means = torch.nan_to_num(returns[turn + 1].nanmean(dim=1)).reshape(nodes, joints)
         returns[turn] = returns[turn] + discount * child_means
     return returns
+
+
+def td_targets(rewards: torch.Tensor, values: torch.Tensor, discount: float) -> torch.Tensor:
+    """One-step TD targets ``r_t + discount * V_{t+1}`` over episodes, with ``V_T = 0``.
+
+    ``rewards`` and ``values`` are ``[num_episodes, num_turns]``; the last turn's target is its reward.
+    """
+    if rewards.shape != values.shape or rewards.dim() != 2:
+        raise ValueError(
+            f"rewards and values must both be [num_episodes, num_turns], got {tuple(rewards.shape)} and {tuple(values.shape)}"
+        )
+    next_values = torch.zeros_like(values)
+    next_values[:, :-1] = values[:, 1:]
+    return rewards + discount * next_values
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, discount: float, lam: float) -> torch.Tensor:
+    """Generalised advantage estimates ``A_t = delta_t + discount * lam * A_{t+1}``.
+
+    ``delta_t = r_t + discount * V_{t+1} - V_t`` (the TD error); ``lam=0`` gives the TD error,
+    ``lam=1`` the discounted return minus ``V_t``. With one turn both are ``r - V``.
+    """
+    deltas = td_targets(rewards, values, discount) - values
+    advantages = torch.zeros_like(deltas)
+    running = torch.zeros_like(deltas[:, 0])
+    for turn in range(deltas.shape[1] - 1, -1, -1):
+        running = deltas[:, turn] + discount * lam * running
+        advantages[:, turn] = running
+    return advantages
+
+
+def normalize(values: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Zero mean, unit (population) std over all entries; fewer than two entries or constant ones give zeros."""
+    if values.numel() < 2:
+        return torch.zeros_like(values)
+    std = values.std(unbiased=False)
+    if std <= eps:
+        return torch.zeros_like(values)
+    return (values - values.mean()) / (std + eps)

@@ -88,7 +88,6 @@ class CheckpointRunner:
         trainer = self.trainer
         io.load_modules(self.resume_path, trainer.checkpoint_modules())
         io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers())
-        restore_rng_state(io.load_pt(self.resume_path / "rng.pt"))
         state = dict(metadata["state"])
         state["history"] = json.loads((self.resume_path / "history.json").read_text())
         trainer.state = type(trainer.state)(**state)
@@ -102,6 +101,8 @@ class CheckpointRunner:
             trainer.load_extra(self.resume_path / "extra", metadata)
         trainer.run_identity.update({key: metadata.get(key) for key in ("wandb", "mlflow") if metadata.get(key)})
         self.last_saved = metadata["boundary"]
+        # Last: loading extras (e.g. building a value head) may draw random numbers.
+        restore_rng_state(io.load_pt(self.resume_path / "rng.pt"))
 
     def check_compatible(self, metadata: dict[str, Any]) -> None:
         trainer = self.trainer

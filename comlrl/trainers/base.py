@@ -1,8 +1,9 @@
 """What every trainer shares: entities, data, rewards, optimisers, the epoch loop, logging, export.
 
-A concrete trainer implements :meth:`MultiAgentTrainer.train_step` as a short sequence of
-public stages (rollout -> score -> advantages -> update); the Prefect flows call the same
-stages, so the library loop and the pipeline never diverge.
+A concrete trainer declares its step as ``step_stages``, a short sequence of public stage
+methods (rollout -> score -> advantages -> update); :meth:`MultiAgentTrainer.train_step` runs
+them in order, and the Prefect flows run the same :class:`Stage` list one task per stage
+through :meth:`MultiAgentTrainer.run_stage`, so the library loop and the pipeline never diverge.
 """
 
 from __future__ import annotations
@@ -30,6 +31,19 @@ from comlrl.trainers.config import RolloutConfig
 logger = logging.getLogger(__name__)
 
 MODEL_CONFIG_KEYS = {"dtype", "attn_implementation"}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a training step: ``values[output] = trainer.<method>(*values[inputs])``.
+
+    ``values`` starts as ``{"rows": rows}``; ``timing`` names the metric its wall time adds to.
+    """
+
+    method: str
+    inputs: tuple[str, ...]
+    output: str
+    timing: str | None = None
 
 
 @dataclass
@@ -94,6 +108,7 @@ class MultiAgentTrainer:
         self.wandb_config = wandb_config
         self.device = resolve_device(self.args.device)
         self.dtype = self.model_config.get("dtype") or default_dtype(self.device)
+        self.check_before_loading(sources)
 
         set_seed(self.args.seed)
         tokenizers = entities.resolve_tokenizers(
@@ -109,10 +124,16 @@ class MultiAgentTrainer:
         self.tokenizers = loaded.tokenizers
         self.agent_sources = loaded.sources
         self.optimizers = [self._make_optimizer(agent.parameters(), self.args.agent_learning_rate) for agent in self.agents]
-        self.state = TrainerState()
+        self.state = self.new_state()
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
 
     # ----- construction helpers -------------------------------------------------------------
+    def new_state(self) -> TrainerState:
+        return TrainerState()
+
+    def check_before_loading(self, sources: list[Any]) -> None:
+        """Subclass hook: validate what depends on the resolved sources before any model loads."""
+
     def _check_model_config(self, model_config: dict[str, Any] | None) -> dict[str, Any]:
         model_config = dict(model_config or {})
         unknown = set(model_config) - self.allowed_model_config_keys()
@@ -145,8 +166,30 @@ class MultiAgentTrainer:
         order = epoch_order(len(self.train_dataset), self.args.seed, epoch, self.args.shuffle)
         return batches(order, self.args.per_device_train_batch_size)
 
-    def train_step(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+    step_stages: tuple[Stage, ...] = ()
+
+    def begin_step(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The values a step's stages read and write, starting from the batch's rows."""
+        return {"rows": rows, "step_started": time.perf_counter(), "timings": {}}
+
+    def run_stage(self, stage: Stage, values: dict[str, Any]) -> Any:
+        """Run one stage on ``values`` (in place), adding its wall time to ``values["timings"]``."""
+        started = time.perf_counter()
+        values[stage.output] = getattr(self, stage.method)(*(values[name] for name in stage.inputs))
+        if stage.timing:
+            timings = values["timings"]
+            timings[stage.timing] = timings.get(stage.timing, 0.0) + time.perf_counter() - started
+        return values[stage.output]
+
+    def step_metrics(self, values: dict[str, Any]) -> dict[str, float]:
         raise NotImplementedError
+
+    def train_step(self, rows: list[dict[str, Any]]) -> dict[str, float]:
+        """One step: every stage of ``step_stages`` in order, then the step's metrics."""
+        values = self.begin_step(rows)
+        for stage in self.step_stages:
+            self.run_stage(stage, values)
+        return self.step_metrics(values)
 
     def train(self, **checkpoint_options: Any) -> list[dict[str, float]]:
         """Run ``num_train_epochs`` epochs; returns the per-step metrics history."""
@@ -157,6 +200,13 @@ class MultiAgentTrainer:
             set_seed(self.args.seed)  # a fresh run is reproducible whatever ran before it
         runner.begin()
         dispatch(self.callbacks, "on_train_begin", self)
+        self.run_boundaries(runner)
+        runner.end()
+        dispatch(self.callbacks, "on_train_end", self)
+        return self.state.history
+
+    def run_boundaries(self, runner: Any) -> None:
+        """Every remaining boundary (here: epochs), calling ``runner.on_boundary()`` after each."""
         window = MetricWindow()
         total = self.args.num_train_epochs * self.batches_per_epoch()
         progress = tqdm(total=total, initial=self.state.global_step, disable=self.args.disable_tqdm, desc="train")
@@ -166,9 +216,6 @@ class MultiAgentTrainer:
                 runner.on_boundary()
         finally:
             progress.close()
-        runner.end()
-        dispatch(self.callbacks, "on_train_end", self)
-        return self.state.history
 
     def run_epoch(self, window: MetricWindow, progress: Any = None) -> None:
         """One epoch from ``state.step_in_epoch``; advances ``state.epoch`` when complete."""

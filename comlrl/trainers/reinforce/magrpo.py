@@ -16,7 +16,7 @@ import torch
 from comlrl.algorithms.advantages import agent_advantages, group_relative_advantages, joint_index, tree_returns
 from comlrl.episodes import Rollout, rollout_episodes, score_rollout
 from comlrl.policy import behaviour_logprobs, policy_gradient_backward
-from comlrl.trainers.base import MultiAgentTrainer
+from comlrl.trainers.base import MultiAgentTrainer, Stage
 from comlrl.trainers.reinforce.config import MAGRPOConfig
 
 
@@ -86,22 +86,23 @@ class MAGRPOTrainer(MultiAgentTrainer):
             metrics.update({f"agent_{i}/grad_norm": norm for i, norm in enumerate(norms)})
         return metrics
 
-    def train_step(self, rows: list[dict[str, Any]]) -> dict[str, float]:
-        start = time.perf_counter()
-        rollout = self.rollout(rows)
-        generated = time.perf_counter()
-        rewards = self.score(rollout)
-        scored = time.perf_counter()
-        metrics = self.update(rollout, self.advantages(rewards))
-        end = time.perf_counter()
-        metrics.update(self.rollout_metrics(rollout, rewards))
-        tokens = rollout.generated_tokens()
+    # rollout -> score -> advantages -> update: run by train_step, and one task each by the flows.
+    step_stages = (
+        Stage("rollout", ("rows",), "rollout", timing="generation_time"),
+        Stage("score", ("rollout",), "rewards", timing="reward_time"),
+        Stage("advantages", ("rewards",), "advantages", timing="update_time"),
+        Stage("update", ("rollout", "advantages"), "update_metrics", timing="update_time"),
+    )
+
+    def step_metrics(self, values: dict[str, Any]) -> dict[str, float]:
+        step_time = time.perf_counter() - values["step_started"]
+        rollout = values["rollout"]
+        metrics = dict(values["update_metrics"])
+        metrics.update(self.rollout_metrics(rollout, values["rewards"]))
         metrics.update(
-            step_time=end - start,
-            generation_time=generated - start,
-            reward_time=scored - generated,
-            update_time=end - scored,
-            tokens_per_second=tokens / max(end - start, 1e-9),
+            step_time=step_time,
+            **{name: values["timings"].get(name, 0.0) for name in ("generation_time", "reward_time", "update_time")},
+            tokens_per_second=rollout.generated_tokens() / max(step_time, 1e-9),
         )
         return metrics
 
