@@ -18,7 +18,7 @@ def _accepts_logits_to_keep(model: PreTrainedModel) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def completion_logprobs(
+def completion_logits(
     model: PreTrainedModel,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -26,11 +26,11 @@ def completion_logprobs(
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Log-probability of each completion token, ``[batch, completion_tokens]``.
+    """Logits that predict each completion token, ``[batch, completion_tokens, vocab]`` (float32).
 
     Runs prompt+completion through the model once and keeps only the logits that predict
-    completion tokens. Dividing by the sampling ``temperature`` makes these the
-    log-probabilities of the distribution the completions were drawn from.
+    completion tokens. Dividing by the sampling ``temperature`` makes them the logits of the
+    distribution the completions were drawn from.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
@@ -48,5 +48,23 @@ def completion_logprobs(
     logits = logits[:, -(num_completion + 1):-1, :].float()
     if temperature != 1.0:
         logits = logits / temperature
-    token_logits = logits.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probability of ``token_ids`` under ``logits`` (``[batch, tokens, vocab]`` -> ``[batch, tokens]``)."""
+    token_logits = logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
     return token_logits - torch.logsumexp(logits, dim=-1)
+
+
+def completion_logprobs(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probability of each completion token, ``[batch, completion_tokens]``, in one forward pass."""
+    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    return token_logprobs(logits, completion_ids)

@@ -35,3 +35,30 @@ def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Te
     """Negative log-likelihood that each chosen response beats its rejected one:
     ``mean(-log sigmoid(r_chosen - r_rejected))``."""
     return -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+
+
+def value_loss(
+    values: torch.Tensor,
+    targets: torch.Tensor,
+    old_values: torch.Tensor | None = None,
+    clip_range: float | None = None,
+) -> torch.Tensor:
+    """Critic loss: mean squared error to the targets, optionally value-clipped (PPO style).
+
+    With ``clip_range`` the loss per sample is ``max((V - G)^2, (V_clip - G)^2)`` where
+    ``V_clip = V_old + clamp(V - V_old, -clip_range, clip_range)``: the critic gains nothing
+    from moving further than ``clip_range`` from the values it had at rollout time.
+    """
+    squared = (values - targets) ** 2
+    if clip_range is None:
+        return squared.mean()
+    if old_values is None:
+        raise ValueError("value_loss with clip_range needs old_values (the values at rollout time)")
+    clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    return torch.maximum(squared, (clipped - targets) ** 2).mean()
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's next-token distribution (``[..., vocab]`` -> ``[...]``)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return -(log_probs.exp() * log_probs).sum(dim=-1)

@@ -1,0 +1,344 @@
+"""ActorCriticTrainer: the stages IAC and MAAC share.
+
+An episode is a chain (one completion per agent and turn, ``num_generations=1`` for several
+turns; several independent one-turn episodes per prompt otherwise). Each stage is public so
+another trainer (MARLHF's policy stage) can drive it with its own reward:
+
+    rollout(rows) -> score(rollout[, reward]) -> critic_inputs(rollout) -> values(inputs)
+    -> advantages(rewards, values) -> update(rollout, inputs, estimates, values)
+
+Subclasses decide which models carry value heads and what each critic reads.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from comlrl import entities
+from comlrl.algorithms.advantages import gae, joint_index, normalize, tree_returns
+from comlrl.algorithms.losses import value_loss
+from comlrl.episodes import Rollout, rollout_episodes, score_rollout
+from comlrl.export import save_pretrained_models, save_value_head
+from comlrl.policy import policy_gradient_backward
+from comlrl.rewards import JointReward
+from comlrl.trainers.actor_critic.config import ActorCriticConfig
+from comlrl.trainers.actor_critic.critics import CriticInput
+from comlrl.trainers.base import MultiAgentTrainer, Stage
+from comlrl.value_heads import attach_value_head, sequence_values
+
+# One on-policy pass: the probability ratio is exactly 1, so the PPO clip never binds.
+ON_POLICY_CLIP = 0.2
+
+
+@dataclass
+class Estimates:
+    """Per value model, ``[num_episodes, num_turns]``: the actors' advantages and the critic's targets."""
+
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+
+
+def episode_matrix(per_turn: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stack per-turn tensors (``[num_nodes, num_generations]`` or ``[rows]``) into ``[num_episodes, num_turns]``."""
+    return torch.stack([turn.reshape(-1).float().cpu() for turn in per_turn], dim=1)
+
+
+class ActorCriticTrainer(MultiAgentTrainer):
+    """Base of IAC and MAAC: actors trained by the critic's advantages, critics by MSE to their targets."""
+
+    config_class = ActorCriticConfig
+    args: ActorCriticConfig
+    tokenizer_explicit_for_lists = True
+
+    def __init__(
+        self,
+        agent_model: Any = None,
+        agents: Sequence[Any] | None = None,
+        num_agents: int | None = None,
+        tokenizer: Any = None,
+        critic_model: Any = None,
+        critics: Sequence[Any] | None = None,
+        reward_func: Callable | Sequence[Callable] | None = None,
+        *,
+        args: ActorCriticConfig | None = None,
+        model_config: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        config = args if args is not None else self.config_class()
+        critic_sources: list[Any] = []
+        if isinstance(config, self.config_class):  # otherwise the base constructor reports the wrong type
+            count = entities.resolve_num_agents(num_agents, config.num_agents, self.config_class.__name__)
+            self.check_model_config_values(dict(model_config or {}))
+            critic_sources = self.resolve_critic_sources(critic_model, critics, config, count)
+        super().__init__(
+            agent_model=agent_model, agents=agents, num_agents=num_agents, tokenizer=tokenizer,
+            reward_func=reward_func, args=config, model_config=model_config, **kwargs,
+        )
+        self.joint_index = joint_index(self.num_agents, self.args.num_generations, "aligned")
+        self.critics = self._load_critics(critic_sources)
+        self.critic_sources = [entities.model_name(source) for source in critic_sources]
+        for model in self.value_models:
+            attach_value_head(model, self.value_head_hidden_dim())
+        if self.critics:
+            self.critic_optimizers = [
+                self._make_optimizer(list(c.parameters()) + list(c.value_head.parameters()), self.args.critic_learning_rate)
+                for c in self.critics
+            ]
+        else:  # heads on the actors: one optimizer per actor, the head at the critic's learning rate
+            self.critic_optimizers = []
+            self.optimizers = [
+                self._make_optimizer(
+                    [
+                        {"params": list(agent.parameters()), "lr": self.args.agent_learning_rate},
+                        {"params": list(agent.value_head.parameters()), "lr": self.args.critic_learning_rate},
+                    ],
+                    self.args.agent_learning_rate,
+                )
+                for agent in self.agents
+            ]
+
+    # ----- what subclasses decide ------------------------------------------------------------
+    def resolve_critic_sources(self, critic_model: Any, critics: Any, config: Any, num_agents: int) -> list[Any]:
+        raise NotImplementedError
+
+    def critic_names(self) -> list[str]:
+        """Checkpoint and ``save_model`` directory name of each critic."""
+        raise NotImplementedError
+
+    def critic_tokenizer_index(self, critic: int) -> int:
+        """Which actor's tokenizer critic ``critic`` reads."""
+        raise NotImplementedError
+
+    def value_model_for_agent(self, agent: int) -> int:
+        """Index into :attr:`value_models` of the critic that values agent ``agent``'s samples."""
+        raise NotImplementedError
+
+    def value_head_hidden_dim(self) -> int | None:
+        raise NotImplementedError
+
+    def critic_inputs(self, rollout: Rollout) -> list[list[CriticInput]]:
+        """``[value_model][turn]``: what each critic reads for every episode of every turn."""
+        raise NotImplementedError
+
+    def check_model_config_values(self, model_config: dict[str, Any]) -> None:
+        """Validate trainer-specific ``model_config`` values before anything is loaded."""
+
+    # ----- entities -----------------------------------------------------------------------------
+    @property
+    def value_models(self) -> list[torch.nn.Module]:
+        """Models that carry a ``value_head``: the critics, or the actors when they share their backbone."""
+        return self.critics if self.critics else self.agents
+
+    def value_model_names(self) -> list[str]:
+        return self.critic_names() if self.critics else [f"agent_{i}" for i in range(self.num_agents)]
+
+    @property
+    def critic_tokenizers(self) -> list[Any]:
+        return [self.tokenizers[self.critic_tokenizer_index(k)] for k in range(len(self.critics))]
+
+    def _load_critics(self, sources: list[Any]) -> list[Any]:
+        if not sources:
+            return []
+        # A model object also used as an actor must not become that actor's critic in place.
+        sources = [copy.deepcopy(s) if any(s is agent for agent in self.agents) else s for s in sources]
+        tokenizers = [self.tokenizers[self.critic_tokenizer_index(k)] for k in range(len(sources))]
+        loaded = entities.load_models(sources, tokenizers, self.device, self.dtype, "critic", self.args.trust_remote_code)
+        return loaded.models
+
+    # ----- stages -------------------------------------------------------------------------------
+    def rollout(self, rows: list[dict[str, Any]], row_labels: list[int] | None = None) -> Rollout:
+        """Stage 1: sample every turn of the episodes starting at ``rows``."""
+        for agent in self.agents:
+            agent.eval()
+        return rollout_episodes(
+            self.agents, self.tokenizers, self.formatters, rows, self.joint_index, self.args.num_generations,
+            self.args.num_turns, self.sampling, self.external_transition, self.args.external_prompt_passthrough,
+            self.args.max_prompt_length, row_labels, prompt_overflow=self.args.prompt_overflow,
+        )
+
+    def score(self, rollout: Rollout, reward: JointReward | Callable | None = None) -> list[torch.Tensor]:
+        """Stage 2: joint rewards per turn, ``[num_nodes, num_generations]`` each (``reward`` overrides the trainer's)."""
+        if reward is not None and not isinstance(reward, JointReward):
+            reward = JointReward(reward)
+        return score_rollout(rollout, reward or self.reward)
+
+    @torch.no_grad()
+    def values(self, inputs: list[list[CriticInput]]) -> list[torch.Tensor]:
+        """Stage 3: every critic's values at rollout time, ``[num_episodes, num_turns]`` per value model."""
+        result = []
+        for model, model_inputs in zip(self.value_models, inputs):
+            model.eval()
+            result.append(episode_matrix([sequence_values(model, i.input_ids, i.attention_mask) for i in model_inputs]))
+        return result
+
+    def advantages(self, rewards: list[torch.Tensor], values: list[torch.Tensor]) -> Estimates:
+        """Stage 4: GAE advantages (one-step: ``r - V``) and the critic targets ``A + V`` per value model.
+
+        A dropped (NaN) reward makes its turn's and earlier turns' targets NaN: those samples get
+        advantage 0 and are left out of the critic loss.
+        """
+        reward_matrix = episode_matrix(rewards)
+        advantages, returns = [], []
+        for model_values in values:
+            estimate = gae(reward_matrix, model_values, self.args.discount, self.args.gae_lambda)
+            returns.append(estimate + model_values)
+            valid = ~torch.isnan(estimate)
+            estimate = torch.where(valid, estimate, torch.zeros_like(estimate))
+            if self.args.normalize_advantages:
+                estimate[valid] = normalize(estimate[valid])
+            advantages.append(estimate)
+        return Estimates(advantages=advantages, returns=returns)
+
+    def update(
+        self,
+        rollout: Rollout,
+        inputs: list[list[CriticInput]],
+        estimates: Estimates,
+        old_values: list[torch.Tensor],
+    ) -> dict[str, float]:
+        """Stage 5: actor policy-gradient and critic value-loss backward passes; step at accumulation boundaries."""
+        metrics: dict[str, float] = {}
+        scale = 1.0 / self.args.gradient_accumulation_steps
+        for index, agent in enumerate(self.agents):
+            agent.train()
+            advantages = estimates.advantages[self.value_model_for_agent(index)]
+            generations = [turn.generations[index] for turn in rollout.turns]
+            metrics[f"agent_{index}/policy_loss"] = policy_gradient_backward(
+                agent, generations, [advantages[:, t] for t in range(len(generations))], ON_POLICY_CLIP,
+                self.args.temperature, None, scale=scale, entropy_coef=self.args.entropy_coef,
+            )
+        names = self.value_model_names()
+        passes = self.args.critic_update_epochs
+        for index, model in enumerate(self.value_models):
+            model.train()
+            for update_pass in range(passes):
+                loss = self.critic_backward(model, inputs[index], estimates.returns[index], old_values[index], scale)
+                if update_pass < passes - 1:  # only with separate critics (validated by the configs)
+                    self.step_optimizers([self.critic_optimizers[index]], [self._with_head(model)])
+            metrics[f"{names[index]}/value_loss"] = loss
+        if (self.state.global_step + 1) % self.args.gradient_accumulation_steps == 0:
+            actor_modules = [self._with_head(a) if not self.critics else a for a in self.agents]
+            norms = self.step_optimizers(self.optimizers, actor_modules)
+            critic_norms = self.step_optimizers(self.critic_optimizers, [self._with_head(c) for c in self.critics])
+            self.state.optimizer_steps += 1
+            metrics.update({f"agent_{i}/grad_norm": norm for i, norm in enumerate(norms)})
+            metrics.update({f"{names[i]}/grad_norm": norm for i, norm in enumerate(critic_norms)})
+        return metrics
+
+    def critic_backward(
+        self, model: Any, inputs: list[CriticInput], returns: torch.Tensor, old_values: torch.Tensor, scale: float
+    ) -> float:
+        """Backpropagate one critic's (optionally clipped) MSE over every turn; returns the loss."""
+        total = 0.0
+        num_turns = len(inputs)
+        for turn, turn_input in enumerate(inputs):
+            values = sequence_values(model, turn_input.input_ids, turn_input.attention_mask)
+            targets = returns[:, turn].to(values.device)
+            valid = ~torch.isnan(targets)  # dropped rewards
+            if not bool(valid.any()):
+                continue
+            loss = value_loss(
+                values[valid], targets[valid], old_values[:, turn].to(values.device)[valid], self.args.value_clip_range
+            )
+            (loss * self.args.value_loss_coef * scale / num_turns).backward()
+            total += float(loss.detach()) / num_turns
+        return total
+
+    @staticmethod
+    def _with_head(model: Any) -> torch.nn.Module:
+        """The model and its (unregistered) head as one module, for gradient clipping."""
+        return torch.nn.ModuleList([model, model.value_head])
+
+    # rollout -> score -> critic_inputs -> values -> advantages -> update: run by train_step, one task each by the flows.
+    step_stages = (
+        Stage("rollout", ("rows",), "rollout", timing="generation_time"),
+        Stage("score", ("rollout",), "rewards", timing="reward_time"),
+        Stage("critic_inputs", ("rollout",), "critic_inputs", timing="update_time"),
+        Stage("values", ("critic_inputs",), "values", timing="update_time"),
+        Stage("advantages", ("rewards", "values"), "estimates", timing="update_time"),
+        Stage("update", ("rollout", "critic_inputs", "estimates", "values"), "update_metrics", timing="update_time"),
+    )
+
+    def step_metrics(self, values: dict[str, Any]) -> dict[str, float]:
+        step_time = time.perf_counter() - values["step_started"]
+        rollout = values["rollout"]
+        metrics = dict(values["update_metrics"])
+        metrics.update(self.rollout_metrics(rollout, values["rewards"]))
+        metrics.update(self.critic_metrics(values["values"], values["estimates"]))
+        metrics.update(
+            step_time=step_time,
+            **{name: values["timings"].get(name, 0.0) for name in ("generation_time", "reward_time", "update_time")},
+            tokens_per_second=rollout.generated_tokens() / max(step_time, 1e-9),
+        )
+        return metrics
+
+    # ----- metrics and evaluation ---------------------------------------------------------------
+    def rollout_metrics(self, rollout: Rollout, rewards: list[torch.Tensor]) -> dict[str, float]:
+        first = rewards[0]
+        kept = first[~torch.isnan(first)]
+        metrics = {"reward_mean": float(kept.mean()), "reward_std": float(kept.std(unbiased=False))}
+        if len(rewards) > 1:
+            for turn, turn_rewards in enumerate(rewards):
+                metrics[f"turn_{turn}/reward_mean"] = float(turn_rewards.nanmean())
+            metrics["return_mean"] = float(tree_returns(rewards, self.args.discount)[0].mean())
+        for agent in range(self.num_agents):
+            lengths = torch.cat([turn.generations[agent].lengths().float() for turn in rollout.turns])
+            metrics[f"agent_{agent}/completion_length"] = float(lengths.mean())
+        return metrics
+
+    def critic_metrics(self, values: list[torch.Tensor], estimates: Estimates) -> dict[str, float]:
+        """Per value model: mean value, and mean absolute error to its target (how well it predicts)."""
+        metrics = {}
+        for name, model_values, returns in zip(self.value_model_names(), values, estimates.returns):
+            metrics[f"{name}/value_mean"] = float(model_values.mean())
+            metrics[f"{name}/value_error"] = float((returns - model_values).abs().nanmean())
+        return metrics
+
+    def evaluate(self, dataset: Any = None, num_samples: int | None = None) -> dict[str, float]:
+        """Mean joint reward on the first ``eval_num_samples`` rows, under a forked RNG (training is unaffected)."""
+        dataset = dataset if dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
+        count = min(num_samples or self.args.eval_num_samples, len(dataset))
+        rows = [dataset[i] for i in range(count)]
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.args.seed + 1)
+            rollout = self.rollout(rows, row_labels=list(range(count)))
+            rewards = self.score(rollout)
+        return {f"eval/{name}": value for name, value in self.rollout_metrics(rollout, rewards).items()}
+
+    # ----- checkpoints and export ---------------------------------------------------------------
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        modules = super().checkpoint_modules()
+        modules.update(dict(zip(self.critic_names(), self.critics)))
+        for name, model in zip(self.value_model_names(), self.value_models):
+            modules[f"{name}_value_head"] = model.value_head
+        return modules
+
+    def checkpoint_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        optimizers = super().checkpoint_optimizers()
+        optimizers.update(dict(zip(self.critic_names(), self.critic_optimizers)))
+        return optimizers
+
+    def compat_settings(self) -> dict[str, Any]:
+        return {
+            **super().compat_settings(),
+            "critic_type": self.args.critic_type,
+            "critics": self.critic_names() if self.critics else [],
+            "value_head_hidden_dim": self.value_head_hidden_dim(),
+        }
+
+    def save_model(self, output_dir: str | Path) -> Path:
+        """Actors to ``agent_i/``, critics to their own directories, every value head as ``value_head.pt``."""
+        output_dir = super().save_model(output_dir)
+        save_pretrained_models(self.critics, self.critic_tokenizers, [output_dir / name for name in self.critic_names()])
+        for name, model in zip(self.value_model_names(), self.value_models):
+            save_value_head(model.value_head, output_dir / name)
+        return output_dir

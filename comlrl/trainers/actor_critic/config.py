@@ -1,0 +1,94 @@
+"""Configs of the actor-critic trainers: the shared critic knobs, then MAAC and IAC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from comlrl.config import option
+from comlrl.trainers.config import RolloutConfig
+
+
+@dataclass
+class ActorCriticConfig(RolloutConfig):
+    """Fields every actor-critic trainer shares: critic target, learning rates, advantage and loss settings."""
+
+    num_generations: int = option(
+        1, "Completions sampled per prompt and agent; multi-turn actor-critic needs 1 (each episode is a chain).", min=1
+    )
+    critic_type: str = option("v", "Critic target: 'v' values the context V(h), 'q' the context plus the completion Q(h, a).",
+                              choices=("v", "q"))
+    critic_learning_rate: float = option(5e-6, "AdamW learning rate of the critics and value heads.", min=0.0,
+                                         min_exclusive=True)
+    value_loss_coef: float = option(0.5, "Weight of the critic's MSE loss.", min=0.0, min_exclusive=True)
+    value_clip_range: float | None = option(
+        None, "Clip each value to within this distance of its rollout-time value in the critic loss (None = off).",
+        min=0.0, min_exclusive=True, kind=(int, float), optional=True,
+    )
+    critic_update_epochs: int = option(1, "Gradient passes of each critic over a rollout batch (>1 steps it in between).",
+                                       min=1)
+    gae_lambda: float = option(
+        0.0, "GAE lambda over turns: 0 = one-step TD error r + discount*V' - V, 1 = discounted return minus V.",
+        min=0.0, max=1.0,
+    )
+    normalize_advantages: bool = option(False, "Standardise each agent's advantages over the batch (needs >= 2 samples).")
+    entropy_coef: float = option(0.0, "Weight of the policy-entropy bonus in the actor loss (0 = off).", min=0.0)
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        name = type(self).__name__
+        if self.num_turns > 1 and self.num_generations != 1:
+            problems.append(
+                f"{name}.num_generations must be 1 when num_turns > 1 (got num_generations={self.num_generations}, "
+                f"num_turns={self.num_turns}): multi-turn actor-critic follows one chain per prompt"
+            )
+        if self.critic_update_epochs > 1 and self.gradient_accumulation_steps > 1:
+            problems.append(
+                f"{name}.critic_update_epochs > 1 steps the critic within a rollout, so it needs "
+                f"gradient_accumulation_steps=1 (got {self.gradient_accumulation_steps})"
+            )
+        return problems
+
+
+@dataclass
+class MAACConfig(ActorCriticConfig):
+    """Multi-agent actor-critic: one centralised critic over the joint input serves every agent.
+
+    A custom value-head width is given as ``model_config={"critic_value_head_hidden_dim": ...}``
+    to the trainer, not here.
+    """
+
+
+@dataclass
+class IACConfig(ActorCriticConfig):
+    """Independent actor-critic: each agent has its own critic (separate, or sharing the actor's backbone)."""
+
+    use_separate_critic: bool = option(
+        True, "True: one separate critic model per agent; False: each actor's backbone also carries its value head."
+    )
+    value_head_hidden_dim: int | None = option(
+        None, "Hidden width of the shared (actor) value head's MLP (None = linear head); use_separate_critic=False only.",
+        min=1, kind=int, optional=True,
+    )
+    critic_value_head_hidden_dim: int | None = option(
+        None, "Hidden width of each separate critic's value-head MLP (None = linear head); use_separate_critic=True only.",
+        min=1, kind=int, optional=True,
+    )
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        if self.use_separate_critic and self.value_head_hidden_dim is not None:
+            problems.append(
+                f"IACConfig.value_head_hidden_dim={self.value_head_hidden_dim} sizes the shared actor head, but "
+                "use_separate_critic=True; set critic_value_head_hidden_dim for separate critics instead"
+            )
+        if not self.use_separate_critic and self.critic_value_head_hidden_dim is not None:
+            problems.append(
+                f"IACConfig.critic_value_head_hidden_dim={self.critic_value_head_hidden_dim} sizes separate critics, but "
+                "use_separate_critic=False; set value_head_hidden_dim for the shared head instead"
+            )
+        if not self.use_separate_critic and self.critic_update_epochs > 1:
+            problems.append(
+                f"IACConfig.critic_update_epochs={self.critic_update_epochs} needs use_separate_critic=True: a shared "
+                "value head's extra passes would also step the actor"
+            )
+        return problems
