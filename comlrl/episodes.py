@@ -75,9 +75,10 @@ def _generate_turn(
     num_generations: int,
     sampling: SamplingParams,
     max_prompt_length: int | None,
+    prompt_overflow: str = "truncate",
 ) -> list[Generation]:
     return [
-        generate_completions(agent, tokenizer, agent_prompts, num_generations, sampling, max_prompt_length)
+        generate_completions(agent, tokenizer, agent_prompts, num_generations, sampling, max_prompt_length, prompt_overflow)
         for agent, tokenizer, agent_prompts in zip(agents, tokenizers, prompts)
     ]
 
@@ -130,6 +131,7 @@ def rollout_episodes(
     passthrough: bool = False,
     max_prompt_length: int | None = None,
     row_labels: Sequence[int | str] | None = None,
+    prompt_overflow: str = "truncate",
 ) -> Rollout:
     """Generate every turn of the episodes that start from ``rows``."""
     num_agents = len(agents)
@@ -140,7 +142,9 @@ def rollout_episodes(
     response_history: list[list[list[str]]] = [[[] for _ in range(num_agents)] for _ in node_rows]
     rollout = Rollout(rows=rows, turns=[], joint_index=joint_index)
     for turn_number in range(num_turns):
-        generations = _generate_turn(agents, tokenizers, prompts, num_generations, sampling, max_prompt_length)
+        generations = _generate_turn(
+            agents, tokenizers, prompts, num_generations, sampling, max_prompt_length, prompt_overflow
+        )
         turn = Turn(node_rows, prompts, generations, prompt_history, response_history)
         rollout.turns.append(turn)
         if turn_number == num_turns - 1:

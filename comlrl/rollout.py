@@ -7,10 +7,13 @@ keeps tokens up to and including the first EOS.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,33 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_id: int | list[int] 
     return (eos_before == 0).long()
 
 
+def context_length(model: PreTrainedModel) -> int | None:
+    """The longest sequence the model's positions cover, if its config says."""
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def prompt_token_limit(model: PreTrainedModel, max_new_tokens: int, max_prompt_length: int | None) -> int | None:
+    """Prompt tokens that fit: the user's limit and the context minus room for the completion."""
+    context = context_length(model)
+    room = context - max_new_tokens if context is not None else None
+    limits = [limit for limit in (room, max_prompt_length) if limit is not None]
+    return min(limits) if limits else None
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
     device: torch.device,
     max_prompt_length: int | None = None,
+    overflow: str = "truncate",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded prompt IDs and mask; over-long prompts keep their last ``max_prompt_length`` tokens."""
+    """Left-padded prompt IDs and mask; over-long prompts keep their last ``max_prompt_length`` tokens
+    (with a warning), or raise when ``overflow="error"``."""
     encoded = tokenizer(
         prompts,
         return_tensors="pt",
@@ -67,6 +90,14 @@ def encode_prompts(
     )
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     if max_prompt_length is not None and ids.shape[1] > max_prompt_length:
+        lengths = mask.sum(dim=1)
+        too_long = (lengths > max_prompt_length).nonzero().flatten().tolist()
+        if overflow == "error":
+            raise ValueError(
+                f"prompt {too_long[0]} has {int(lengths[too_long[0]])} tokens but only {max_prompt_length} fit "
+                "(context minus max_new_tokens, or max_prompt_length); shorten it or set prompt_overflow='truncate'"
+            )
+        logger.warning("truncating %d prompt(s) to their last %d tokens", len(too_long), max_prompt_length)
         # Left padding puts every prompt's last tokens in the rightmost columns.
         ids, mask = ids[:, -max_prompt_length:], mask[:, -max_prompt_length:]
     return ids.to(device), mask.to(device)
@@ -95,10 +126,12 @@ def generate_completions(
     num_generations: int,
     sampling: SamplingParams,
     max_prompt_length: int | None = None,
+    prompt_overflow: str = "truncate",
 ) -> Generation:
     """Sample ``num_generations`` completions for each prompt in one batched ``generate`` call."""
     device = next(model.parameters()).device
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, max_prompt_length)
+    limit = prompt_token_limit(model, sampling.max_new_tokens, max_prompt_length)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, limit, prompt_overflow)
     output = model.generate(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,

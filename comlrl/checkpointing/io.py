@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,12 +33,24 @@ COMPLETE_MARKER = "COMPLETE"
 METADATA_FILE = "metadata.json"
 
 
-def checkpoint_number(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(CHECKPOINT_PREFIX):
+_NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)(?:-step(\d+))?$")
+
+
+def checkpoint_order(path: Path) -> tuple[int, int] | None:
+    """Sort key of a checkpoint directory name, or None for anything else.
+
+    ``checkpoint-N`` is saved at boundary N; ``checkpoint-N-stepS`` is a stop between
+    boundaries N and N+1 at global step S, so it sorts after ``checkpoint-N``.
+    """
+    match = _NAME.match(path.name)
+    if match is None:
         return None
-    suffix = name[len(CHECKPOINT_PREFIX):]
-    return int(suffix) if suffix.isdigit() else None
+    return int(match.group(1)), int(match.group(2)) if match.group(2) is not None else -1
+
+
+def checkpoint_number(path: Path) -> int | None:
+    order = checkpoint_order(path)
+    return order[0] if order is not None else None
 
 
 def is_complete(path: Path) -> bool:
@@ -49,8 +62,8 @@ def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     root = Path(checkpoint_dir)
     if not root.is_dir():
         return []
-    found = [(checkpoint_number(p), p) for p in root.iterdir() if p.is_dir() and checkpoint_number(p) is not None]
-    return [p for n, p in sorted(found) if is_complete(p)]
+    found = [(checkpoint_order(p), p) for p in root.iterdir() if p.is_dir() and checkpoint_order(p) is not None]
+    return [p for _, p in sorted(found) if is_complete(p)]
 
 
 def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
@@ -80,7 +93,7 @@ def _fsync_dir(path: Path) -> None:
 
 def write_checkpoint(
     checkpoint_dir: str | Path,
-    number: int,
+    name: str,
     modules: dict[str, torch.nn.Module],
     optimizers: dict[str, Any],
     rng_state: dict[str, Any],
@@ -88,10 +101,10 @@ def write_checkpoint(
     stateful: dict[str, Any] | None = None,
     write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write ``checkpoint-<number>`` atomically and return its path."""
+    """Write the checkpoint directory ``name`` atomically and return its path."""
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{CHECKPOINT_PREFIX}{number}"
+    final = root / name
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
         (staging / "models").mkdir()

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 import comlrl
 from comlrl.checkpointing import io
 from comlrl.seeding import capture_rng_state, restore_rng_state
 
 FORMAT_VERSION = 1
+logger = logging.getLogger(__name__)
 
 
 def model_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
@@ -67,6 +70,7 @@ class CheckpointRunner:
         self.save_total_limit = save_total_limit
         self.resume_path = self._resolve_resume(resume_from_checkpoint)
         self.last_saved: int | None = None
+        self.failures = 0
 
     def _resolve_resume(self, resume: str | Path | bool | None) -> Path | None:
         if resume in (None, False):
@@ -133,7 +137,24 @@ class CheckpointRunner:
         if self.checkpoint_dir is not None and self.last_saved != self.trainer.state.boundaries:
             self.save()
 
-    def save(self) -> Path:
+    def save_interrupted(self) -> str | None:
+        """A checkpoint between boundaries (after a stop request or a run-ending error)."""
+        if self.checkpoint_dir is None:
+            return None
+        state = self.trainer.state
+        path = self.save(f"{io.CHECKPOINT_PREFIX}{state.boundaries}-step{state.global_step}")
+        return str(path) if path is not None else None
+
+    def save(self, name: str | None = None) -> Path | None:
+        """Write a checkpoint; a failed write (e.g. a full disk) is logged and leaves older ones intact."""
+        try:
+            return self._write(name or f"{io.CHECKPOINT_PREFIX}{self.trainer.state.boundaries}")
+        except (OSError, SafetensorError) as error:
+            self.failures += 1
+            logger.error("checkpoint save failed (%s); earlier checkpoints are intact and training goes on", error)
+            return None
+
+    def _write(self, name: str) -> Path:
         trainer = self.trainer
         state = dataclasses.asdict(trainer.state)
         history = state.pop("history")
@@ -160,7 +181,7 @@ class CheckpointRunner:
 
         path = io.write_checkpoint(
             self.checkpoint_dir,
-            trainer.state.boundaries,
+            name,
             modules,
             trainer.checkpoint_optimizers(),
             capture_rng_state(),

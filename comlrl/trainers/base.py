@@ -19,13 +19,15 @@ from tqdm.auto import tqdm
 
 from comlrl import entities
 from comlrl.callbacks import TrainerCallback, dispatch
-from comlrl.data import batches, check_dataset, epoch_order, resolve_formatters
+from comlrl.data import batches, check_dataset, epoch_order, format_prompt, resolve_formatters
 from comlrl.device import default_dtype, resolve_device
+from comlrl.errors import NonFiniteTrainingError, TrainingInterrupted, TrainingStopped
 from comlrl.export import save_pretrained_models
 from comlrl.metrics import MetricWindow
 from comlrl.rewards import JointReward
-from comlrl.rollout import SamplingParams
+from comlrl.rollout import SamplingParams, context_length
 from comlrl.seeding import set_seed
+from comlrl.signals import stop_on_signals
 from comlrl.trainers.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ class TrainerState:
     global_step: int = 0
     optimizer_steps: int = 0
     boundaries: int = 0
+    nonfinite_updates: int = 0
+    consecutive_nonfinite: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -90,7 +94,7 @@ class MultiAgentTrainer:
         sources = entities.resolve_model_list(agent_model, agents, self.num_agents)
         if reward_func is None:
             raise ValueError(f"{type(self).__name__} needs reward_func (a callable or a list of callables)")
-        self.reward = JointReward(reward_func, self.args.reward_weights, reward_processor)
+        self.reward = JointReward(reward_func, self.args.reward_weights, reward_processor, on_invalid=self.args.invalid_reward)
         if train_dataset is None:
             raise ValueError(f"{type(self).__name__} needs train_dataset")
         check_dataset(train_dataset, "train_dataset")
@@ -100,7 +104,14 @@ class MultiAgentTrainer:
             raise ValueError(f"num_turns={self.args.num_turns} needs external_transition to produce the next turn's prompts")
         if external_transition is not None and not callable(external_transition):
             raise ValueError("external_transition must be callable")
+        if len(train_dataset) < self.args.per_device_train_batch_size:
+            raise ValueError(
+                f"train_dataset has {len(train_dataset)} rows, fewer than one batch "
+                f"(per_device_train_batch_size={self.args.per_device_train_batch_size}); lower the batch size"
+            )
         self.formatters = resolve_formatters(formatters, self.num_agents)
+        for agent, formatter in enumerate(self.formatters):  # a missing field fails now, not mid-run
+            format_prompt(formatter, train_dataset[0], agent, 0)
         self.external_transition = external_transition
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
@@ -121,6 +132,7 @@ class MultiAgentTrainer:
         )
         loaded = entities.load_models(sources, tokenizers, self.device, self.dtype, "agent", self.args.trust_remote_code)
         self.agents = loaded.models
+        self.check_context(self.agents)
         self.tokenizers = loaded.tokenizers
         self.agent_sources = loaded.sources
         self.optimizers = [self._make_optimizer(agent.parameters(), self.args.agent_learning_rate) for agent in self.agents]
@@ -130,6 +142,16 @@ class MultiAgentTrainer:
     # ----- construction helpers -------------------------------------------------------------
     def new_state(self) -> TrainerState:
         return TrainerState()
+
+    def check_context(self, models: Sequence[torch.nn.Module]) -> None:
+        """Every model must leave room for ``max_new_tokens`` in its context."""
+        for index, model in enumerate(models):
+            context = context_length(model)
+            if context is not None and self.args.max_new_tokens >= context:
+                raise ValueError(
+                    f"{type(self.args).__name__}.max_new_tokens={self.args.max_new_tokens} leaves no room for a prompt "
+                    f"in the {context}-token context of agent {index}; lower it"
+                )
 
     def check_before_loading(self, sources: list[Any]) -> None:
         """Subclass hook: validate what depends on the resolved sources before any model loads."""
@@ -200,7 +222,14 @@ class MultiAgentTrainer:
             set_seed(self.args.seed)  # a fresh run is reproducible whatever ran before it
         runner.begin()
         dispatch(self.callbacks, "on_train_begin", self)
-        self.run_boundaries(runner)
+        with stop_on_signals() as self.stop_request:
+            try:
+                self.run_boundaries(runner)
+            except TrainingStopped as stopped:
+                stopped.checkpoint = runner.save_interrupted() if self.supports_mid_boundary_checkpoints else None
+                where = f"; resume from {stopped.checkpoint}" if stopped.checkpoint else ""
+                logger.error("%s%s", stopped, where)
+                raise
         runner.end()
         dispatch(self.callbacks, "on_train_end", self)
         return self.state.history
@@ -225,6 +254,7 @@ class MultiAgentTrainer:
             self.reward.drain_monitor_metrics()  # discard what evaluation may have left
             metrics = self.train_step(rows)
             metrics.update(self.reward.drain_monitor_metrics())
+            metrics.update({"reward/dropped": float(self.reward.dropped), "nonfinite_updates": float(self.state.nonfinite_updates)})
             self.state.step_in_epoch += 1
             self.state.global_step += 1
             self.state.history.append({"step": self.state.global_step, "epoch": self.state.epoch, **metrics})
@@ -233,6 +263,9 @@ class MultiAgentTrainer:
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}")
+            request = getattr(self, "stop_request", None)
+            if request is not None and request.requested:
+                raise TrainingInterrupted(f"{request.signal_name} received: stopped after step {self.state.global_step}")
         self.state.epoch += 1
         self.state.step_in_epoch = 0
         self.state.boundaries += 1
@@ -257,17 +290,34 @@ class MultiAgentTrainer:
     def step_optimizers(self, optimizers: list[torch.optim.Optimizer], models: list[torch.nn.Module]) -> list[float]:
         """Clip, step and zero; returns each model's gradient norm before clipping."""
         norms = []
+        skipped = 0
         for optimizer, model in zip(optimizers, models):
             parameters = [p for p in model.parameters() if p.grad is not None]
             max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else float("inf")
             norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.tensor(0.0)
             norms.append(float(norm))
-            optimizer.step()
+            if torch.isfinite(norm):
+                optimizer.step()
+            else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights
+                skipped += 1
             optimizer.zero_grad(set_to_none=True)
+        self.record_nonfinite(skipped)
         return norms
+
+    def record_nonfinite(self, skipped: int) -> None:
+        """Count skipped updates; too many in a row stop the run (see ``max_nonfinite_updates``)."""
+        self.state.nonfinite_updates += skipped
+        self.state.consecutive_nonfinite = self.state.consecutive_nonfinite + 1 if skipped else 0
+        if self.state.consecutive_nonfinite >= self.args.max_nonfinite_updates:
+            raise NonFiniteTrainingError(
+                f"{self.state.consecutive_nonfinite} consecutive optimizer steps had a NaN/inf loss or gradient "
+                f"(max_nonfinite_updates={self.args.max_nonfinite_updates}); check the rewards and learning rate"
+            )
 
     # ----- checkpoint hooks (see comlrl.checkpointing.runner) -------------------------------
     boundary_kind = "epoch"
+    # Whether a stop between boundaries may be checkpointed (the loop can resume mid-epoch).
+    supports_mid_boundary_checkpoints = True
 
     def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
         return {f"agent_{i}": agent for i, agent in enumerate(self.agents)}

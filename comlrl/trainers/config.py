@@ -40,6 +40,12 @@ class RolloutConfig(ConfigBase):
     device: str = option("auto", "'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
     trust_remote_code: bool = option(False, "Allow model repositories to run their own code (off unless you set it).")
     disable_tqdm: bool = option(False, "Hide the training progress bar.")
+    invalid_reward: str = option("raise", "A non-number, NaN or inf reward: 'raise', or 'drop' the sample (advantage 0) "
+                                 "and count it in reward/dropped.", choices=("raise", "drop"))
+    prompt_overflow: str = option("truncate", "A prompt that leaves no room for max_new_tokens in the model's context: "
+                                  "'truncate' it on the left with a warning, or 'error'.", choices=("truncate", "error"))
+    max_nonfinite_updates: int = option(3, "Skip an update whose loss or gradient is NaN/inf; stop the run (with a "
+                                        "checkpoint when checkpointing is on) after this many in a row.", min=1)
 
     def validate(self) -> list[str]:
         problems = []

@@ -46,6 +46,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
             self.args.external_prompt_passthrough,
             self.args.max_prompt_length,
             row_labels,
+            self.args.prompt_overflow,
         )
 
     def score(self, rollout: Rollout) -> list[torch.Tensor]:

@@ -1,0 +1,172 @@
+"""Bad inputs, numerical faults, signals and failed saves: each guard, shown to work."""
+
+import logging
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from comlrl.callbacks import TrainerCallback
+from comlrl.checkpointing import latest_checkpoint, list_checkpoints
+from comlrl.errors import NonFiniteTrainingError, TrainingInterrupted
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build(model_dir, dataset, reward_func, **config):
+    settings = dict(num_agents=2, num_generations=2, max_new_tokens=6, agent_learning_rate=1e-3, num_train_epochs=2,
+                    per_device_train_batch_size=2, seed=11, disable_tqdm=True)
+    settings.update(config)
+    return MAGRPOTrainer(agent_model=model_dir, num_agents=2, reward_func=reward_func, train_dataset=dataset,
+                         args=MAGRPOConfig(**settings))
+
+
+class SignalAt(TrainerCallback):
+    """Sends this process a real signal after the given step."""
+
+    def __init__(self, step, number=signal.SIGTERM):
+        self.step, self.number = step, number
+
+    def on_log(self, trainer, metrics, step):
+        if step == self.step:
+            os.kill(os.getpid(), self.number)
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_step_checkpoints_and_resumes_exactly(tiny_llama, train_dataset, reward_func, tmp_path, number):
+    straight = build(tiny_llama, train_dataset, reward_func)
+    straight.train()
+
+    interrupted = build(tiny_llama, train_dataset, reward_func)
+    interrupted.callbacks.append(SignalAt(step=6, number=number))
+    with pytest.raises(TrainingInterrupted, match=f"{signal.Signals(number).name} received: stopped after step 6") as info:
+        interrupted.train(checkpoint_dir=tmp_path, checkpoint_interval=1)
+    assert info.value.checkpoint.endswith("checkpoint-1-step6")  # mid-epoch 2 (4 steps per epoch)
+    assert signal.getsignal(number) in (signal.SIG_DFL, signal.default_int_handler)  # handlers restored
+
+    resumed = build(tiny_llama, train_dataset, reward_func)
+    resumed.train(resume_from_checkpoint=info.value.checkpoint, checkpoint_dir=tmp_path)
+    for a, b in zip(straight.agents, resumed.agents):
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert [s["reward_mean"] for s in straight.state.history] == [s["reward_mean"] for s in resumed.state.history]
+    assert latest_checkpoint(tmp_path).name == "checkpoint-2"
+
+
+def test_nonfinite_gradients_are_skipped_then_stop_the_run(tiny_llama, train_dataset, reward_func, tmp_path):
+    trainer = build(tiny_llama, train_dataset, reward_func, max_nonfinite_updates=3)
+    before = [{k: v.clone() for k, v in agent.state_dict().items()} for agent in trainer.agents]
+    for agent in trainer.agents:  # a real autograd hook that poisons every gradient
+        next(agent.parameters()).register_hook(lambda grad: grad * float("nan"))
+    with pytest.raises(NonFiniteTrainingError, match="3 consecutive optimizer steps had a NaN/inf") as info:
+        trainer.train(checkpoint_dir=tmp_path)
+    assert trainer.state.nonfinite_updates == 6  # 2 agents x 3 steps
+    assert trainer.state.history[-1]["nonfinite_updates"] == 4.0  # counted in the metrics as it happened
+    for saved, agent in zip(before, trainer.agents):  # no poisoned update reached the weights
+        assert all(torch.equal(saved[k], v) for k, v in agent.state_dict().items())
+    assert info.value.checkpoint and Path(info.value.checkpoint).is_dir()
+
+
+def test_bad_inputs_fail_before_loading(tiny_llama, train_dataset, reward_func):
+    with pytest.raises(ValueError, match="train_dataset has 8 rows, fewer than one batch"):
+        build(tiny_llama, train_dataset, reward_func, per_device_train_batch_size=9)
+    with pytest.raises(ValueError, match="max_new_tokens=300 leaves no room for a prompt in the 256-token context"):
+        build(tiny_llama, train_dataset, reward_func, max_new_tokens=300)
+
+
+def test_prompt_longer_than_context(tiny_llama, reward_func, caplog):
+    from datasets import Dataset
+
+    long = Dataset.from_dict({"prompt": [" ".join(["the agents write a story"] * 80)] * 2})
+    strict = build(tiny_llama, long, reward_func, prompt_overflow="error", max_new_tokens=16, num_train_epochs=1)
+    with pytest.raises(ValueError, match=r"prompt 0 has \d+ tokens but only 240 fit"):
+        strict.train()
+    lenient = build(tiny_llama, long, reward_func, max_new_tokens=16, num_train_epochs=1)
+    with caplog.at_level(logging.WARNING):
+        lenient.train()
+    assert "truncating 2 prompt(s) to their last 240 tokens" in caplog.text
+
+
+def test_wrong_transition_output_is_named(tiny_llama, train_dataset, reward_func):
+    def bad_transition(prompt, agent_completions, num_agents, **histories):
+        return ["only one"]
+
+    trainer = MAGRPOTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
+                            external_transition=bad_transition,
+                            args=MAGRPOConfig(num_agents=2, num_turns=2, num_generations=2, max_new_tokens=4,
+                                              disable_tqdm=True))
+    with pytest.raises(ValueError, match="external_transition .*bad_transition must return a list of 2 prompts"):
+        trainer.train()
+
+
+def test_dropped_rewards_are_counted_and_training_goes_on(tiny_llama, train_dataset):
+    calls = []
+
+    def flaky(c0, c1):
+        calls.append(1)
+        return [float("nan") if i == 0 else 1.0 + i for i in range(len(c0))]
+
+    trainer = build(tiny_llama, train_dataset, flaky, invalid_reward="drop", num_train_epochs=1)
+    history = trainer.train()
+    assert history[-1]["reward/dropped"] == float(len(calls))  # the first joint sample of every call
+    assert all(torch.isfinite(p).all() for agent in trainer.agents for p in agent.parameters())
+
+
+FULL_DISK_SCRIPT = textwrap.dedent(
+    """
+    import resource, signal, sys, logging
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    from datasets import Dataset
+    from comlrl.callbacks import TrainerCallback
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+    logging.basicConfig(level=logging.ERROR)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # exceeding the limit then fails the write with EFBIG
+
+    class FillDisk(TrainerCallback):
+        def on_epoch_end(self, trainer, epoch):
+            if epoch == 2:  # before checkpoint-2 is written, files may hold only 4 KiB
+                resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+
+    dataset = Dataset.from_dict({"prompt": ["a b", "c d", "e f", "g h"]})
+    trainer = MAGRPOTrainer(agent_model=sys.argv[1], num_agents=2, train_dataset=dataset, callbacks=[FillDisk()],
+        reward_func=lambda a, b: [float(len(x)) for x in a],
+        args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=3,
+                          per_device_train_batch_size=2, disable_tqdm=True))
+    trainer.train(checkpoint_dir=sys.argv[2])
+    print("finished epochs", trainer.state.epoch)
+    """
+)
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tiny_llama, tmp_path):
+    result = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, tiny_llama, str(tmp_path)], capture_output=True,
+                            text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finished epochs 3" in result.stdout
+    assert "checkpoint save failed" in result.stderr and "File too large" in result.stderr
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written staging left
+    from comlrl.utils import read_checkpoint_metadata
+
+    assert read_checkpoint_metadata(tmp_path / "checkpoint-1")["state"]["epoch"] == 1
+
+
+def test_every_torch_load_is_weights_only():
+    offenders = []
+    for path in list((ROOT / "comlrl").rglob("*.py")) + list((ROOT / "flows").rglob("*.py")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"torch\.load\(", line) and "weights_only=True" not in line:
+                offenders.append(f"{path.relative_to(ROOT)}:{number}")
+    assert not offenders, offenders
+
+
+def test_remote_code_is_off_by_default():
+    assert MAGRPOConfig().trust_remote_code is False
