@@ -213,3 +213,36 @@ def test_bit_exact_resume_across_an_iteration_boundary(tiny_llama, train_dataset
     assert torch.equal(
         straight.reward_model.value_head.layers[-1].weight, resumed.reward_model.value_head.layers[-1].weight
     )
+
+
+@pytest.mark.parametrize("rl_algorithm, overrides", [("maac", {}), ("iac", {"use_separate_critic": True}),
+                                                      ("iac", {"use_separate_critic": False})])
+def test_actor_critic_policy_stage(tiny_llama, tiny_llama_b, train_dataset, reward_func, rl_algorithm, overrides):
+    trainer = MARLHFTrainer(
+        agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
+        args=MARLHFConfig(num_agents=2, rl_algorithm=rl_algorithm, policy_overrides={"num_generations": 1, **overrides},
+                          **FAST),
+    )
+    policy = trainer.policy_trainer
+    assert type(policy).__name__ == {"maac": "MAACTrainer", "iac": "IACTrainer"}[rl_algorithm]
+    assert all(a is b for a, b in zip(policy.agents, trainer.agents))  # one set of weights
+    if overrides.get("use_separate_critic", True):
+        assert policy.critics and all(c.name_or_path == tiny_llama for c in policy.critics)  # default: first actor
+    trainer.train()
+    assert any("monitor/task_reward" in step for step in trainer.state.history)
+    # critic_model_name in the config selects another backbone
+    other = MARLHFTrainer(
+        agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
+        args=MARLHFConfig(num_agents=2, rl_algorithm="maac", critic_model_name=tiny_llama_b,
+                          policy_overrides={"num_generations": 1}, **FAST),
+    )
+    assert other.policy_trainer.critics[0].name_or_path == tiny_llama_b
+
+
+def test_critic_arguments_are_refused_for_magrpo(tiny_llama, train_dataset, reward_func):
+    with pytest.raises(ValueError, match="apply only to rl_algorithm 'maac' or 'iac'"):
+        MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
+                      critic_model=tiny_llama, args=MARLHFConfig(num_agents=2, **FAST))
+    with pytest.raises(ValueError, match=r"policy_overrides has fields \['critic_type'\] that MAGRPOConfig does not define"):
+        MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
+                      args=MARLHFConfig(num_agents=2, policy_overrides={"critic_type": "q"}, **FAST))
