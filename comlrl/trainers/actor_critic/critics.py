@@ -65,37 +65,6 @@ def independent_critic_sources(
     return entities.resolve_model_list(critic_model, critics, num_agents, "critic_model", "critics")
 
 
-def policy_stage_critic(
-    critic_model: Any,
-    critics: Sequence[Any] | None,
-    critic_model_name: str | None,
-    agent_sources: Sequence[Any],
-    needs_critic: bool = True,
-) -> tuple[Any, Sequence[Any] | None]:
-    """``(critic_model, critics)`` for a trainer that runs IAC/MAAC as its policy stage (MARLHF).
-
-    Explicit ``critic_model``/``critics`` win; else ``critic_model_name`` from the config; else the
-    first actor's identifier. ``needs_critic=False`` (IAC with shared heads) returns ``(None, None)``.
-    """
-    if not needs_critic:
-        return critic_model, critics
-    if critic_model is not None or critics is not None:
-        if critic_model_name is not None and critic_model is not None and entities.model_name(critic_model) != critic_model_name:
-            raise ValueError(
-                f"critic_model={_shown(critic_model)} disagrees with critic_model_name={critic_model_name!r}; give one of them"
-            )
-        return critic_model, critics
-    if critic_model_name is not None:
-        return critic_model_name, None
-    first = entities.model_name(agent_sources[0]) if agent_sources else None
-    if first is None:
-        raise ValueError(
-            "the critic defaults to the first actor's model identifier, but that actor is a model object without "
-            "one; set critic_model_name (or pass critic_model / critics)"
-        )
-    return first, None
-
-
 def joint_text(prompts: Sequence[str], completions: Sequence[str] | None = None) -> str:
     """What a centralised critic reads: every agent's prompt, and for Q critics its completion too."""
     parts = []

@@ -55,4 +55,4 @@ class IACTrainer(ActorCriticTrainer):
         return inputs
 
     def compat_settings(self) -> dict[str, Any]:
-        return {**super().compat_settings(), "use_separate_critic": self.args.use_separate_critic}
+        return {"use_separate_critic": self.args.use_separate_critic, **super().compat_settings()}
