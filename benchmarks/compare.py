@@ -1,0 +1,90 @@
+"""Ours vs the reference implementation (2 agents) and vs TRL GRPO (1 agent), alternating runs.
+
+Each run is its own process: this library with the project's .venv, the peers with
+benchmarks/.venv-peers (``bash benchmarks/setup_peers.sh``), since the reference also imports
+as ``comlrl``. Runs alternate (ours, theirs, then theirs, ours, ...) for ``--repeats`` rounds;
+the table gives the median over repeats of each run's median step.
+
+    .venv/bin/python benchmarks/compare.py --repeats 3 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from report import comparison_table, summarise_runs
+
+HERE = Path(__file__).resolve().parent
+OURS_PYTHON = HERE.parent / ".venv" / "bin" / "python"
+PEERS_PYTHON = HERE / ".venv-peers" / "bin" / "python"
+
+
+def run_runner(python: Path, script: str, options: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as output:
+        command = [str(python), str(HERE / script), *options, "--output", output.name]
+        completed = subprocess.run(command, cwd=HERE, capture_output=True, text=True)
+        if completed.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed ({completed.returncode}):\n{completed.stderr[-3000:]}")
+        return json.loads(Path(output.name).read_text())
+
+
+def build_model(directory: Path, hidden_size: int) -> Path:
+    subprocess.run([str(OURS_PYTHON), str(HERE / "make_model.py"), str(directory), "--hidden-size", str(hidden_size)],
+                   check=True, capture_output=True)
+    return directory
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--num-generations", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--peers-python", type=Path, default=PEERS_PYTHON)
+    parser.add_argument("--only", choices=("reference", "trl"), help="run one comparison only")
+    parser.add_argument("--output", type=Path, default=HERE / "runs" / "compare.json")
+    args = parser.parse_args()
+    if not args.peers_python.exists():
+        sys.exit(f"{args.peers_python} is missing; create it with: bash benchmarks/setup_peers.sh")
+
+    model_dir = build_model(HERE / "runs" / f"model-h{args.hidden_size}", args.hidden_size)
+    common = ["--model-dir", str(model_dir), "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens),
+              "--num-generations", str(args.num_generations), "--device", args.device, "--threads", str(args.threads)]
+    comparisons = {
+        "reference": ("run_reference.py", ["--num-agents", "2"]),
+        "trl": ("run_trl.py", ["--num-agents", "1"]),
+    }
+    if args.only:
+        comparisons = {args.only: comparisons[args.only]}
+    results: dict[str, dict[str, list]] = {name: {"ours": [], "theirs": []} for name in comparisons}
+    for repeat in range(args.repeats):
+        for name, (script, extra) in comparisons.items():
+            order = [("ours", OURS_PYTHON, "run_ours.py"), ("theirs", args.peers_python, script)]
+            for side, python, runner in order if repeat % 2 == 0 else order[::-1]:
+                print(f"repeat {repeat + 1}/{args.repeats}: {name} / {side}", file=sys.stderr, flush=True)
+                results[name][side].append(run_runner(python, runner, common + extra))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results))
+    titles = {
+        "reference": f"MAGRPO, 2 agents: ours vs reference comlrl ({args.device})",
+        "trl": f"GRPO, 1 agent: ours (MAGRPO, num_agents=1) vs TRL GRPOTrainer ({args.device})",
+    }
+    for name, sides in results.items():
+        version = sides["theirs"][0]["versions"].get("comlrl" if name == "reference" else "trl")
+        print(comparison_table(titles[name], summarise_runs(sides["ours"]), summarise_runs(sides["theirs"]),
+                               f"{name} {version}"))
+        print()
+    print(f"(num_generations={args.num_generations}, max_new_tokens={args.max_new_tokens}, hidden_size={args.hidden_size}, "
+          f"{args.steps} timed steps after 1 warm-up, median of {args.repeats} alternating repeats; raw: {args.output})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The benchmark workload every runner shares: config, prompts, reward, timers, result records.
+
+This module imports neither this library nor a peer: the reference implementation also
+imports as ``comlrl``, so each runner lives in its own process and virtual environment and
+only this file (and the JSON it prints) is common to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+PROCESS_START = time.perf_counter()  # imported first by every runner, before torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+PHASES = ("generation", "reward", "forward", "backward_optimizer", "other")
+LETTERS = "eoai"
+SUBJECTS = "cat dog sun moon tree river hill road book letter idea team".split()
+FORMS = ["write a story about the {}", "tell me about the {}", "describe the {} to a friend", "a short note on the {}"]
+
+
+@dataclass
+class Workload:
+    model_dir: str
+    num_agents: int = 2
+    num_generations: int = 4
+    max_new_tokens: int = 48
+    steps: int = 6
+    warmup_steps: int = 1
+    temperature: float = 1.0
+    learning_rate: float = 1e-4
+    seed: int = 0
+    device: str = "cpu"
+    threads: int = 1  # 1 by default: on a shared CPU, several threads per process oversubscribe the cores
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--model-dir", required=True, help="tiny local model directory (see make_model.py)")
+        parser.add_argument("--num-agents", type=int, default=cls.num_agents)
+        parser.add_argument("--num-generations", type=int, default=cls.num_generations)
+        parser.add_argument("--max-new-tokens", type=int, default=cls.max_new_tokens)
+        parser.add_argument("--steps", type=int, default=cls.steps, help="timed steps")
+        parser.add_argument("--warmup-steps", type=int, default=cls.warmup_steps, help="untimed steps first")
+        parser.add_argument("--temperature", type=float, default=cls.temperature)
+        parser.add_argument("--learning-rate", type=float, default=cls.learning_rate)
+        parser.add_argument("--seed", type=int, default=cls.seed)
+        parser.add_argument("--device", default=cls.device, help="'cpu' or 'cuda' (bf16 on CUDA)")
+        parser.add_argument("--threads", type=int, default=cls.threads, help="torch intra-op threads (0 = default)")
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> "Workload":
+        return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup_steps + self.steps
+
+    def rows(self) -> list[dict[str, str]]:
+        """One prompt per training step (every runner trains on batches of one prompt)."""
+        prompts = [form.format(subject) for subject in SUBJECTS for form in FORMS]
+        return [{"prompt": prompts[i % len(prompts)]} for i in range(self.total_steps)]
+
+    def setup_torch(self) -> None:
+        import torch
+
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        torch.manual_seed(self.seed)
+
+
+def letter_share(text: str, letter: str) -> float:
+    return text.count(letter) / len(text) if text else 0.0
+
+
+def joint_reward(*completions: list[str], batch_items: Any = None) -> list[float]:
+    """Agent i is paid for its share of ``LETTERS[i % 4]``; the joint reward is the agents' mean."""
+    return [
+        sum(letter_share(text, LETTERS[agent % len(LETTERS)]) for agent, text in enumerate(joint)) / len(joint)
+        for joint in zip(*completions)
+    ]
+
+
+class PhaseTimer:
+    """Wall time per phase; on CUDA each boundary synchronises so kernels land in their phase."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device.startswith("cuda")
+        self.totals: dict[str, float] = {}
+        self._open: list[str] = []
+
+    def _sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        self._open.append(name)
+        try:
+            yield
+        finally:
+            self._sync()
+            self._open.pop()
+            self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+
+    def wrap(self, name: str, func: Callable) -> Callable:
+        """``func`` timed as ``name``; nested calls of an already-open phase are not counted twice."""
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if name in self._open:
+                return func(*args, **kwargs)
+            with self.phase(name):
+                return func(*args, **kwargs)
+
+        timed.__wrapped__ = func  # keeps inspect.signature (reward functions are introspected)
+        return timed
+
+    def take(self) -> dict[str, float]:
+        totals, self.totals = self.totals, {}
+        return totals
+
+
+@dataclass
+class StepRecord:
+    step_time: float
+    phases: dict[str, float]
+    samples: int
+    generated_tokens: int
+
+
+@dataclass
+class RunResult:
+    implementation: str
+    workload: dict[str, Any]
+    versions: dict[str, str]
+    startup_time: float = 0.0  # process start -> first training step begins
+    first_step_end: float = 0.0  # process start -> first training step done
+    steps: list[StepRecord] = field(default_factory=list)
+    peak_rss_mb: float = 0.0
+    peak_cuda_mb: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def finish(self, device: str) -> None:
+        self.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if device.startswith("cuda"):
+            import torch
+
+            self.peak_cuda_mb = torch.cuda.max_memory_allocated() / 2**20
+
+    def emit(self, path: str | None) -> None:
+        text = json.dumps(asdict(self))
+        if path:
+            with open(path, "w") as handle:
+                handle.write(text)
+        else:
+            print("RESULT " + text)
+
+
+def versions(*names: str) -> dict[str, str]:
+    import importlib.metadata as metadata
+
+    found = {"python": sys.version.split()[0]}
+    for name in names:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = "local"
+    return found
+
+
+def split_step(step_time: float, phases: dict[str, float]) -> dict[str, float]:
+    """The four reported phases plus ``other`` (the step's time outside them).
+
+    Runners time the whole update as ``update`` and its log-prob forward passes as
+    ``forward``; backward and optimizer are the difference.
+    """
+    known = {name: phases.get(name, 0.0) for name in ("generation", "reward", "forward")}
+    known["backward_optimizer"] = max(phases.get("update", 0.0) - known["forward"], 0.0)
+    known["other"] = max(step_time - sum(known.values()), 0.0)
+    return known
+
+
+def runner_parser(description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    Workload.add_arguments(parser)
+    parser.add_argument("--output", help="write the JSON result here (default: print it)")
+    return parser
+
+
+def model_dtype(device: str):
+    import torch
+
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32

@@ -1,0 +1,77 @@
+"""The benchmark scripts of this library run one step on the tiny model (peers are compared by hand)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import report  # noqa: E402
+import roofline  # noqa: E402
+import run_ours  # noqa: E402
+from workload import Workload, joint_reward  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_step(tiny_llama) -> dict:
+    workload = Workload(model_dir=tiny_llama, num_agents=2, num_generations=2, max_new_tokens=8, steps=1, warmup_steps=0)
+    return json.loads(json.dumps(run_ours.run(workload), default=vars))
+
+
+def test_joint_reward_pays_each_agent_for_its_letter():
+    assert joint_reward(["ee", "xx"], ["oo", "oo"]) == [1.0, 0.5]
+    assert joint_reward(["e"]) == [1.0]
+
+
+def test_ours_runner_times_every_phase(one_step):
+    (step,) = one_step["steps"]
+    assert step["samples"] == 4 and 0 < step["generated_tokens"] <= 4 * 8
+    assert {"generation", "reward", "forward", "update"} <= set(step["phases"])
+    assert 0 < step["phases"]["forward"] < step["phases"]["update"] < step["step_time"]
+    assert one_step["peak_rss_mb"] > 0 and one_step["first_step_end"] > one_step["startup_time"] > 0
+
+
+def test_report_splits_the_step_and_compares(one_step):
+    summary = report.summarise_run(one_step)
+    parts = ("generation", "reward", "forward", "backward_optimizer", "other")
+    assert sum(summary[name] for name in parts) == pytest.approx(summary["step_time"])
+    table = report.comparison_table("self", summary, summary, "self")
+    assert "| step time (s) |" in table and "| 1.00 |" in table
+
+
+def test_roofline_reports_the_fraction(one_step, tmp_path, capsys, monkeypatch):
+    results = tmp_path / "ours.json"
+    results.write_text(json.dumps(one_step))
+    monkeypatch.setattr(sys, "argv", ["roofline.py", "--results", str(results), "--seconds", "0.05"])
+    roofline.main()
+    out = capsys.readouterr().out
+    assert "measured matmul rate" in out and "| whole step |" in out
+
+
+def test_profile_lists_the_top_operators(tiny_llama):
+    import profile_step
+
+    workload = Workload(model_dir=tiny_llama, num_agents=2, num_generations=2, max_new_tokens=8, steps=1, warmup_steps=1)
+    table = profile_step.profile(workload, row_limit=5)
+    assert "Self CPU" in table and "aten::" in table
+
+
+def test_peer_runners_import_without_the_peers():
+    import run_reference  # noqa: F401
+    import run_trl  # noqa: F401
+
+
+@pytest.mark.slow
+def test_scaling_script_runs_one_configuration(tiny_llama):
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "scaling.py"), "--model-dir", tiny_llama, "--steps", "1", "--grid", "num_agents=1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert "| 1 | 4 | 64 |" in completed.stdout
