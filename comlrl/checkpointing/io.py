@@ -4,7 +4,7 @@ Layout of ``checkpoint-N`` (N = completed boundaries)::
 
     metadata.json          progress, resolved config, model fingerprints, run identities
     models/<name>.safetensors
-    optimizers/<name>.pt   optimizer / scheduler state dicts
+    optimizers/<name>.pt   optimizer state dicts (and <name>.scheduler.pt: LR schedules)
     rng.pt                 python, numpy, torch and CUDA generator states
     stateful.pt            state_dict() of stateful datasets and callbacks (if any)
     extra/                 trainer-specific files (PbRL pairs, reward model, history)
@@ -100,6 +100,7 @@ def write_checkpoint(
     metadata: dict[str, Any],
     stateful: dict[str, Any] | None = None,
     write_extra: Callable[[Path], None] | None = None,
+    schedulers: dict[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint directory ``name`` atomically and return its path."""
     root = Path(checkpoint_dir)
@@ -113,6 +114,8 @@ def write_checkpoint(
         (staging / "optimizers").mkdir()
         for name, optimizer in optimizers.items():
             torch.save(optimizer.state_dict(), staging / "optimizers" / f"{name}.pt")
+        for name, scheduler in (schedulers or {}).items():
+            torch.save(scheduler.state_dict(), staging / "optimizers" / f"{name}.scheduler.pt")
         torch.save(rng_state, staging / "rng.pt")
         if stateful:
             torch.save(stateful, staging / "stateful.pt")
@@ -148,10 +151,14 @@ def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
             raise ValueError(f"checkpoint weights for {name!r} do not fit the model: {error}") from None
 
 
-def load_optimizers(path: Path, optimizers: dict[str, Any]) -> None:
+def load_optimizers(path: Path, optimizers: dict[str, Any], schedulers: dict[str, Any] | None = None) -> None:
     for name, optimizer in optimizers.items():
         file = path / "optimizers" / f"{name}.pt"
         optimizer.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+    for name, scheduler in (schedulers or {}).items():
+        file = path / "optimizers" / f"{name}.scheduler.pt"
+        if file.is_file():
+            scheduler.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
 
 
 def load_pt(path: Path) -> Any:

@@ -91,7 +91,7 @@ class CheckpointRunner:
         self.check_compatible(metadata)
         trainer = self.trainer
         io.load_modules(self.resume_path, trainer.checkpoint_modules())
-        io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers())
+        io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers(), self._schedulers())
         state = dict(metadata["state"])
         state["history"] = json.loads((self.resume_path / "history.json").read_text())
         trainer.state = type(trainer.state)(**state)
@@ -127,6 +127,14 @@ class CheckpointRunner:
                 raise ValueError(f"{where}: {name}: {_describe_shape_difference(metadata['models'][name], fingerprint)}")
         trainer.check_resume_progress(metadata["state"])
 
+    def _schedulers(self) -> dict[str, Any]:
+        """The LR schedule of each checkpointed optimizer, under the optimizer's name."""
+        find = getattr(self.trainer, "scheduler_for", None)
+        if find is None:
+            return {}
+        found = {name: find(optimizer) for name, optimizer in self.trainer.checkpoint_optimizers().items()}
+        return {name: scheduler for name, scheduler in found.items() if scheduler is not None}
+
     # ----- save -------------------------------------------------------------------------------
     def on_boundary(self) -> None:
         boundary = self.trainer.state.boundaries
@@ -146,13 +154,26 @@ class CheckpointRunner:
         return str(path) if path is not None else None
 
     def save(self, name: str | None = None) -> Path | None:
-        """Write a checkpoint; a failed write (e.g. a full disk) is logged and leaves older ones intact."""
+        """Write a checkpoint; a failed write (e.g. a full disk) is logged and leaves older ones intact.
+
+        Under data parallelism rank 0 writes (every rank holds the same weights) and the others
+        wait at a barrier until it is on disk.
+        """
+        name = name or f"{io.CHECKPOINT_PREFIX}{self.trainer.state.boundaries}"
+        parallel = getattr(self.trainer, "data_parallel", None)
+        if parallel is not None and not parallel.is_main:
+            parallel.barrier()
+            self.last_saved = self.trainer.state.boundaries
+            return self.checkpoint_dir / name
         try:
-            return self._write(name or f"{io.CHECKPOINT_PREFIX}{self.trainer.state.boundaries}")
+            return self._write(name)
         except (OSError, SafetensorError) as error:
             self.failures += 1
             logger.error("checkpoint save failed (%s); earlier checkpoints are intact and training goes on", error)
             return None
+        finally:
+            if parallel is not None:
+                parallel.barrier()
 
     def _write(self, name: str) -> Path:
         trainer = self.trainer
@@ -188,6 +209,7 @@ class CheckpointRunner:
             metadata,
             stateful=stateful,
             write_extra=write_extra,
+            schedulers=self._schedulers(),
         )
         self.last_saved = trainer.state.boundaries
         if self.save_total_limit is not None:
