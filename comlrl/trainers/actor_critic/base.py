@@ -224,8 +224,11 @@ class ActorCriticTrainer(MultiAgentTrainer):
             metrics[f"{names[index]}/value_loss"] = loss
         if (self.state.global_step + 1) % self.args.gradient_accumulation_steps == 0:
             actor_modules = [self._with_head(a) if not self.critics else a for a in self.agents]
-            norms = self.step_optimizers(self.optimizers, actor_modules)
-            critic_norms = self.step_optimizers(self.critic_optimizers, [self._with_head(c) for c in self.critics])
+            # one call, so a NaN/inf anywhere counts once towards max_nonfinite_updates
+            all_norms = self.step_optimizers(
+                self.optimizers + self.critic_optimizers, actor_modules + [self._with_head(c) for c in self.critics]
+            )
+            norms, critic_norms = all_norms[:self.num_agents], all_norms[self.num_agents:]
             self.state.optimizer_steps += 1
             metrics.update({f"agent_{i}/grad_norm": norm for i, norm in enumerate(norms)})
             metrics.update({f"{names[i]}/grad_norm": norm for i, norm in enumerate(critic_norms)})
