@@ -1,10 +1,33 @@
-"""Trainers: MAGRPO (reinforce), IAC/MAAC (actor_critic), MARLHF (preference)."""
+"""Trainers: MAGRPO (reinforce), IAC/MAAC (actor_critic), MARLHF (preference).
 
-from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
-from comlrl.trainers.preference import MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
-from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+The names are re-exported lazily, so importing one trainer does not import the others.
+"""
 
-__all__ = [
-    "IACConfig", "IACTrainer", "MAACConfig", "MAACTrainer",
-    "MAGRPOConfig", "MAGRPOTrainer", "MARLHFConfig", "MARLHFIterTrainer", "MARLHFTrainer",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {
+    "IACConfig": "comlrl.trainers.actor_critic",
+    "IACTrainer": "comlrl.trainers.actor_critic",
+    "MAACConfig": "comlrl.trainers.actor_critic",
+    "MAACTrainer": "comlrl.trainers.actor_critic",
+    "MAGRPOConfig": "comlrl.trainers.reinforce",
+    "MAGRPOTrainer": "comlrl.trainers.reinforce",
+    "MARLHFConfig": "comlrl.trainers.preference",
+    "MARLHFIterTrainer": "comlrl.trainers.preference",
+    "MARLHFTrainer": "comlrl.trainers.preference",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'comlrl.trainers' has no attribute {name!r}")
+    return getattr(importlib.import_module(_HOMES[name]), name)
+
+
+def __dir__() -> list[str]:
+    return __all__
