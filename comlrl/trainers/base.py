@@ -192,6 +192,7 @@ class MultiAgentTrainer:
 
     def begin_step(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The values a step's stages read and write, starting from the batch's rows."""
+        self.reward.drain_monitor_metrics()  # discard what evaluation may have left
         return {"rows": rows, "step_started": time.perf_counter(), "timings": {}}
 
     def run_stage(self, stage: Stage, values: dict[str, Any]) -> Any:
@@ -215,13 +216,7 @@ class MultiAgentTrainer:
 
     def train(self, **checkpoint_options: Any) -> list[dict[str, float]]:
         """Run ``num_train_epochs`` epochs; returns the per-step metrics history."""
-        from comlrl.checkpointing.runner import CheckpointRunner
-
-        runner = CheckpointRunner(self, **checkpoint_options)
-        if runner.resume_path is None and self.state.global_step == 0:
-            set_seed(self.args.seed)  # a fresh run is reproducible whatever ran before it
-        runner.begin()
-        dispatch(self.callbacks, "on_train_begin", self)
+        runner = self.begin_training(**checkpoint_options)
         with stop_on_signals() as self.stop_request:
             try:
                 self.run_boundaries(runner)
@@ -230,9 +225,25 @@ class MultiAgentTrainer:
                 where = f"; resume from {stopped.checkpoint}" if stopped.checkpoint else ""
                 logger.error("%s%s", stopped, where)
                 raise
+        self.end_training(runner)
+        return self.state.history
+
+    def begin_training(self, **checkpoint_options: Any) -> Any:
+        """Seed a fresh run or restore a checkpoint, then ``on_train_begin``; returns the
+        :class:`~comlrl.checkpointing.runner.CheckpointRunner` that saves the boundaries."""
+        from comlrl.checkpointing.runner import CheckpointRunner
+
+        runner = CheckpointRunner(self, **checkpoint_options)
+        if runner.resume_path is None and self.state.global_step == 0:
+            set_seed(self.args.seed)  # a fresh run is reproducible whatever ran before it
+        runner.begin()
+        self.data_parallel.seed(self.args.seed, self.state.global_step)
+        dispatch(self.callbacks, "on_train_begin", self)
+        return runner
+
+    def end_training(self, runner: Any) -> None:
         runner.end()
         dispatch(self.callbacks, "on_train_end", self)
-        return self.state.history
 
     def run_boundaries(self, runner: Any) -> None:
         """Every remaining boundary (here: epochs), calling ``runner.on_boundary()`` after each."""
@@ -248,24 +259,34 @@ class MultiAgentTrainer:
 
     def run_epoch(self, window: MetricWindow, progress: Any = None) -> None:
         """One epoch from ``state.step_in_epoch``; advances ``state.epoch`` when complete."""
-        epoch_batches = self.epoch_batches(self.state.epoch)
-        for batch in epoch_batches[self.state.step_in_epoch:]:
-            rows = [self.train_dataset[int(index)] for index in batch]
-            self.reward.drain_monitor_metrics()  # discard what evaluation may have left
-            metrics = self.train_step(rows)
-            metrics.update(self.reward.drain_monitor_metrics())
-            metrics.update({"reward/dropped": float(self.reward.dropped), "nonfinite_updates": float(self.state.nonfinite_updates)})
-            self.state.step_in_epoch += 1
-            self.state.global_step += 1
-            self.state.history.append({"step": self.state.global_step, "epoch": self.state.epoch, **metrics})
-            self._log(window, metrics)
-            self._maybe_evaluate()
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}")
-            request = getattr(self, "stop_request", None)
-            if request is not None and request.requested:
-                raise TrainingInterrupted(f"{request.signal_name} received: stopped after step {self.state.global_step}")
+        for rows in self.epoch_rows():
+            self.record_step(self.train_step(rows), window, progress)
+        self.end_epoch()
+
+    def epoch_rows(self) -> list[list[dict[str, Any]]]:
+        """The rows of every batch left in the current epoch (from ``state.step_in_epoch``)."""
+        remaining = self.epoch_batches(self.state.epoch)[self.state.step_in_epoch:]
+        return [[self.train_dataset[int(index)] for index in batch] for batch in remaining]
+
+    def record_step(self, metrics: dict[str, float], window: MetricWindow, progress: Any = None) -> None:
+        """Count a finished step: monitor metrics, progress, history, callbacks, periodic evaluation."""
+        metrics.update(self.reward.drain_monitor_metrics())
+        metrics.update({"reward/dropped": float(self.reward.dropped), "nonfinite_updates": float(self.state.nonfinite_updates)})
+        metrics = self.data_parallel.average_metrics(metrics)
+        metrics.update(device_memory_metrics(self.model_devices()))
+        self.state.step_in_epoch += 1
+        self.state.global_step += 1
+        self.state.history.append({"step": self.state.global_step, "epoch": self.state.epoch, **metrics})
+        self._log(window, metrics)
+        self._maybe_evaluate()
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}")
+        request = getattr(self, "stop_request", None)
+        if request is not None and request.requested:
+            raise TrainingInterrupted(f"{request.signal_name} received: stopped after step {self.state.global_step}")
+
+    def end_epoch(self) -> None:
         self.state.epoch += 1
         self.state.step_in_epoch = 0
         self.state.boundaries += 1

@@ -1,0 +1,99 @@
+"""From a validated run spec to library objects: datasets, model sources, callables, the trainer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+from flows.spec import (
+    DATA_SUFFIXES,
+    DatasetSource,
+    RunSpec,
+    TinySource,
+    algorithm_of,
+    data_path,
+    model_path_or_id,
+    resolve_callable,
+)
+
+
+def load_dataset_source(source: str | DatasetSource | None, root: Path) -> Any:
+    if source is None:
+        return None
+    import datasets
+
+    source = DatasetSource(path=source) if isinstance(source, str) else source
+    if source.path:
+        path = data_path(source.path, root)
+        return datasets.load_dataset(DATA_SUFFIXES[path.suffix], data_files={"rows": str(path)}, split="rows")
+    if source.name:
+        return datasets.load_dataset(source.name, source.config, split=source.split)
+    rows = resolve_callable(source.entry_point)(**source.kwargs)
+    return rows if isinstance(rows, datasets.Dataset) else datasets.Dataset.from_list(list(rows))
+
+
+def model_source(source: str | TinySource, root: Path, workdir: Path) -> str:
+    """A loadable identifier: tiny recipes are built once under ``workdir/models``; registry URIs
+    are exported there as Hugging Face directories."""
+    if isinstance(source, TinySource):
+        from comlrl.tiny import save_tiny_model
+
+        tiny = source.tiny
+        directory = workdir / "models" / f"tiny-{tiny.architecture}-v{tiny.vocab_size}-h{tiny.hidden_size or 'default'}-s{tiny.seed}"
+        if not (directory / "config.json").is_file():
+            staging = directory.with_name(directory.name + ".partial")
+            save_tiny_model(staging, tiny.architecture, vocab_size=tiny.vocab_size, hidden_size=tiny.hidden_size, seed=tiny.seed)
+            staging.rename(directory)
+        return str(directory)
+    resolved = model_path_or_id(source, root)
+    if resolved.startswith("models:/"):
+        from comlrl.tracking import export_registered_model
+        import mlflow
+
+        name = resolved[len("models:/"):].replace("/", "-").replace("@", "-")
+        return str(export_registered_model(mlflow.get_tracking_uri(), resolved, workdir / "models" / "registry" / name))
+    return resolved
+
+
+def _callables(value: str | Sequence[str] | None) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return resolve_callable(value)
+    return [resolve_callable(path) for path in value]
+
+
+def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callbacks: Sequence[Any] = ()) -> Any:
+    """The trainer the spec describes (models load here, after the spec was validated)."""
+    root, workdir = Path(root), Path(workdir)
+    trainer_class, config_class = algorithm_of(spec).load()
+    models = {
+        key: [model_source(s, root, workdir) for s in value] if isinstance(value, list) else model_source(value, root, workdir)
+        for key, value in spec.models.items()
+    }
+    return trainer_class(
+        **models,
+        reward_func=_callables(spec.reward),
+        reward_processor=_callables(spec.reward_processor),
+        formatters=_callables(spec.formatters),
+        external_transition=_callables(spec.transition),
+        train_dataset=load_dataset_source(spec.dataset.train, root),
+        eval_dataset=load_dataset_source(spec.dataset.eval, root),
+        callbacks=list(callbacks),
+        model_config=spec.model_options or None,
+        args=config_class(**spec.config),
+    )
+
+
+def with_registered_agents(spec: RunSpec, tracking_uri: str, alias: str) -> RunSpec:
+    """The spec with its agents replaced by the registry's ``alias`` versions (``models:/NAME@alias``),
+    when every agent role has one; otherwise the spec unchanged (e.g. before the first promotion)."""
+    from comlrl import tracking
+
+    _, config_class = algorithm_of(spec).load()
+    names = tracking.agent_model_names(spec.registered_name, config_class(**spec.config).num_agents)
+    if tracking.aliased_versions(tracking_uri, names, alias) is None:
+        return spec
+    models = {key: value for key, value in spec.models.items() if key not in ("agent_model", "agents")}
+    models["agents"] = [f"models:/{name}@{alias}" for name in names]
+    return spec.model_copy(update={"models": models})

@@ -1,0 +1,105 @@
+"""The working directory of pipeline runs and the embedded-default service settings.
+
+Layout under the working directory (default ``.comlrl/``)::
+
+    prefect/              PREFECT_HOME of the embedded default (ephemeral API database)
+    prefect/storage/      Prefect result storage: the boundary transaction records
+    mlflow/mlflow.db      the MLflow SQLite store (when MLFLOW_TRACKING_URI is not set)
+    mlflow/artifacts/     its artifact root
+    models/               tiny demo models, agents exported from the registry
+    runs/<run_id>/        spec.yaml (as first run), checkpoints/checkpoint-N, reward_curve.png, result.json
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from flows.spec import NAME, RunSpec, spec_hash
+
+
+def default_tracking_uri(workdir: str | Path) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else the SQLite store under ``workdir``."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    store = Path(workdir).resolve() / "mlflow"
+    store.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{store / 'mlflow.db'}"
+
+
+def configure_embedded_default(workdir: str | Path) -> dict[str, str]:
+    """Environment for Prefect's ephemeral mode and the local MLflow store under ``workdir``.
+
+    Call before importing prefect. Settings already in the environment win, so
+    ``PREFECT_API_URL`` / ``MLFLOW_TRACKING_URI`` point the same flows at real servers.
+    """
+    workdir = Path(workdir).resolve()
+    defaults = {
+        "PREFECT_HOME": str(workdir / "prefect"),
+        "PREFECT_LOCAL_STORAGE_PATH": str(workdir / "prefect" / "storage"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "GIT_PYTHON_REFRESH": "quiet",
+    }
+    applied = {}
+    for key, value in defaults.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            applied[key] = value
+    os.environ.setdefault("MLFLOW_TRACKING_URI", default_tracking_uri(workdir))
+    return applied
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    run_id: str
+    workdir: Path
+
+    @property
+    def directory(self) -> Path:
+        return self.workdir / "runs" / self.run_id
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.directory / "checkpoints"
+
+    @property
+    def spec_copy(self) -> Path:
+        return self.directory / "spec.yaml"
+
+    @property
+    def artifact_root(self) -> Path:
+        return self.workdir / "mlflow" / "artifacts"
+
+
+def default_run_id(spec: RunSpec) -> str:
+    return f"{spec.name}-{spec_hash(spec)[:10]}"
+
+
+def prepare_run(spec: RunSpec, spec_path: str | Path, run_id: str | None, workdir: str | Path) -> RunPaths:
+    """The run's directory; a new run keeps a copy of its spec, a re-run must bring the same spec."""
+    run_id = run_id or default_run_id(spec)
+    if not re.match(NAME.replace("{0,62}", "{0,127}"), run_id):
+        raise ValueError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-' (at most 128)")
+    run = RunPaths(run_id, Path(workdir).resolve())
+    run.directory.mkdir(parents=True, exist_ok=True)
+    digest = spec_hash(spec)
+    stamp = run.directory / "spec.sha256"
+    if stamp.is_file() and stamp.read_text().strip() != digest:
+        raise ValueError(
+            f"run {run_id!r} was started from a different spec (hash {stamp.read_text().strip()[:10]}, this one "
+            f"{digest[:10]}); resume it with its own spec ({run.spec_copy}) or choose a new --run-id"
+        )
+    if not stamp.is_file():
+        shutil.copyfile(spec_path, run.spec_copy)
+        stamp.write_text(digest + "\n")
+    return run
+

@@ -1,0 +1,308 @@
+"""Run specifications: one YAML file describing a training run, validated before anything loads.
+
+A spec is data only: it is read with ``yaml.safe_load`` (no tags that build Python objects),
+and the only code it can name is by explicit import path (``package.module:function``) for
+rewards, formatters, transitions and dataset entry points. :func:`load_spec` checks the
+whole file and raises :class:`SpecError` listing every problem with its path in the file
+(``config.num_generations``, ``dataset.train.path`` ...), before any model loads.
+
+Example (``flows/specs/letters.yaml`` is the bundled demo)::
+
+    name: letters-demo
+    algorithm: magrpo                      # magrpo | iac | maac | marlhf | marlhf_iter
+    models:
+      agent_model: {tiny: {architecture: llama, vocab_size: 96}}   # or a hub id / directory
+    dataset:
+      train: data/letters/train.parquet    # Parquet/JSONL under data/, {name: ...}, {entry_point: ...}
+      eval: data/letters/eval.parquet
+    reward: comlrl.tasks.letters:letters_reward
+    config: {num_agents: 2, num_generations: 4, num_train_epochs: 3}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from flows.algorithms import ALGORITHMS, Algorithm
+
+IMPORT_PATH = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+# Constructor arguments a spec may not set: they come from other sections.
+MANAGED_ARGUMENTS = {"self", "args", "reward_func", "reward_processor", "formatters", "external_transition",
+                     "train_dataset", "eval_dataset", "callbacks", "num_agents", "tokenizer", "wandb_config",
+                     "model_config"}
+
+
+class SpecError(ValueError):
+    """An invalid run spec; ``problems`` lists ``(path, message)`` pairs."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  - {path or '(top level)'}: {message}" for path, message in problems)
+        super().__init__(f"invalid run spec {source}: {len(problems)} problem(s)\n{lines}")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TinyModel(Strict):
+    architecture: Literal["llama", "gpt2"] = "llama"
+    vocab_size: int = Field(96, ge=32, le=4096)
+    hidden_size: int | None = Field(None, ge=8, le=1024)
+    seed: int = Field(0, ge=0)
+
+
+class TinySource(Strict):
+    """A tiny randomly initialised model built locally (``comlrl.tiny``); no hub needed."""
+
+    tiny: TinyModel
+
+
+ModelSource = Union[str, TinySource]
+
+
+class DatasetSource(Strict):
+    """Exactly one of ``path`` (Parquet/JSONL under data/), ``name`` (a ``datasets`` name that
+    resolves locally), or ``entry_point`` (``package.module:function`` returning rows)."""
+
+    path: str | None = None
+    name: str | None = None
+    config: str | None = None
+    split: str = "train"
+    entry_point: str | None = Field(None, pattern=IMPORT_PATH)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def one_source(self) -> "DatasetSource":
+        given = [key for key in ("path", "name", "entry_point") if getattr(self, key)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of path, name, entry_point (got {given or 'none'})")
+        return self
+
+
+class DataSpec(Strict):
+    train: Union[str, DatasetSource]
+    eval: Union[str, DatasetSource, None] = None
+
+
+class CheckpointSpec(Strict):
+    keep: int | None = Field(None, ge=1, description="Keep only the newest K checkpoints (None = all).")
+
+
+class RegistrySpec(Strict):
+    model_name: str | None = Field(None, pattern=NAME, description="Registered models are <model_name>-agent-<i>.")
+    alias: str = Field("candidate", pattern=NAME)
+
+
+ImportPath = str  # checked by resolve_callable, so every bad path is reported with its location
+
+
+class RunSpec(Strict):
+    name: str = Field(pattern=NAME, description="Run and MLflow experiment name.")
+    algorithm: str
+    models: dict[str, Union[ModelSource, list[ModelSource]]]
+    dataset: DataSpec
+    reward: Union[ImportPath, list[ImportPath]]
+    reward_processor: ImportPath | None = None
+    formatters: Union[ImportPath, list[ImportPath], None] = None
+    transition: ImportPath | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+    model_options: dict[str, Any] = Field(default_factory=dict, description="The trainer's model_config (dtype, ...).")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    registry: RegistrySpec = Field(default_factory=RegistrySpec)
+
+    @property
+    def registered_name(self) -> str:
+        return self.registry.model_name or self.name
+
+
+def _where(location: tuple[Any, ...]) -> str:
+    # pydantic adds union-branch names ("str", "TinySource", "list[...]") to locations; drop them.
+    parts = [str(part) for part in location if not re.match(r"^(str|int|none|TinySource|DatasetSource|list\[.*\]|function-.*)$", str(part))]
+    return ".".join(parts)
+
+
+def resolve_callable(path: str) -> Callable:
+    """Import ``package.module:function``; the only way a spec names code."""
+    if not isinstance(path, str) or not re.match(IMPORT_PATH, path):
+        raise ValueError(f"{path!r} is not an import path of the form package.module:function")
+    module_name, _, attribute = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cannot import module {module_name!r}: {error}") from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"module {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"{path} is a {type(target).__name__}, not a callable")
+    return target
+
+
+def data_path(value: str, root: Path) -> Path:
+    """A dataset file under ``root/data``; ``..`` and absolute paths elsewhere are refused."""
+    data_root = (root / "data").resolve()
+    path = (root / value).resolve() if not Path(value).is_absolute() else Path(value).resolve()
+    if not path.is_relative_to(data_root):
+        raise ValueError(f"{value!r} is outside the data directory {str(data_root)!r}")
+    if path.suffix not in DATA_SUFFIXES:
+        raise ValueError(f"{value!r} must be a .parquet, .jsonl or .json file")
+    if not path.is_file():
+        raise ValueError(f"{value!r} does not exist (looked for {str(path)!r})")
+    return path
+
+
+def model_path_or_id(value: str, root: Path) -> str:
+    """A local directory (relative to ``root``, kept inside it) or a hub identifier / registry URI."""
+    if value.startswith("models:/"):
+        return value
+    candidate = (root / value).resolve() if not Path(value).is_absolute() else Path(value)
+    looks_local = value.startswith((".", "/")) or candidate.exists()
+    if looks_local:
+        if not Path(value).is_absolute() and not candidate.is_relative_to(root.resolve()):
+            raise ValueError(f"{value!r} leaves the project directory {str(root)!r}")
+        if not (candidate / "config.json").is_file():
+            raise ValueError(f"{value!r} is not a model directory (no config.json in {str(candidate)!r})")
+        return str(candidate)
+    if not re.match(r"^[\w.-]+(/[\w.-]+)?$", value):
+        raise ValueError(f"{value!r} is neither a model directory, a hub identifier nor a models:/ URI")
+    return value
+
+
+def constructor_arguments(trainer_class: type) -> set[str]:
+    names: set[str] = set()
+    for klass in trainer_class.__mro__:
+        if "__init__" in vars(klass):
+            names.update(p.name for p in inspect.signature(klass.__init__).parameters.values()
+                         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+    return names - MANAGED_ARGUMENTS
+
+
+def spec_hash(spec: RunSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    algorithm = ALGORITHMS.get(spec.algorithm)
+    trainer_class = config_class = None
+    if algorithm is None:
+        problems.append(("algorithm", f"unknown algorithm {spec.algorithm!r}; choose one of {sorted(ALGORITHMS)}"))
+    else:
+        try:
+            trainer_class, config_class = algorithm.load()
+        except (ImportError, AttributeError) as error:
+            problems.append(("algorithm", f"{spec.algorithm!r} is not available in this installation: {error}"))
+    if config_class is not None:
+        problems += config_problems(config_class, spec.config)
+    if trainer_class is not None:
+        allowed = constructor_arguments(trainer_class)
+        for key in spec.models:
+            if key not in allowed:
+                problems.append((f"models.{key}", f"{trainer_class.__name__} takes no model argument {key!r}; "
+                                                  f"allowed: {sorted(allowed)}"))
+    if not spec.models.get("agent_model") and not spec.models.get("agents"):
+        problems.append(("models", "set models.agent_model (one model copied num_agents times) or models.agents (a list)"))
+    for key, value in spec.models.items():
+        for index, source in enumerate(value if isinstance(value, list) else [value]):
+            where = f"models.{key}" + (f"[{index}]" if isinstance(value, list) else "")
+            if isinstance(source, str):
+                try:
+                    model_path_or_id(source, root)
+                except ValueError as error:
+                    problems.append((where, str(error)))
+    for split in ("train", "eval"):
+        source = getattr(spec.dataset, split)
+        if source is None:
+            continue
+        source = DatasetSource(path=source) if isinstance(source, str) else source
+        where = f"dataset.{split}" + ("" if isinstance(getattr(spec.dataset, split), str) else ".path")
+        try:
+            if source.path:
+                data_path(source.path, root)
+            elif source.entry_point:
+                resolve_callable(source.entry_point)
+        except ValueError as error:
+            problems.append((where if source.path else f"dataset.{split}.entry_point", str(error)))
+    for field in ("reward", "reward_processor", "formatters", "transition"):
+        value = getattr(spec, field)
+        for index, path in enumerate(value if isinstance(value, list) else [value]):
+            if path is None:
+                continue
+            where = field + (f"[{index}]" if isinstance(value, list) else "")
+            try:
+                resolve_callable(path)
+            except ValueError as error:
+                problems.append((where, str(error)))
+    return problems
+
+
+def config_problems(config_class: type, values: dict[str, Any]) -> list[tuple[str, str]]:
+    """Every problem of ``values`` as ``config_class(**values)``, with ``config.<field>`` paths."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    problems = [(f"config.{key}", f"{config_class.__name__} has no field {key!r}") for key in values if key not in fields]
+    if problems:
+        return problems
+    try:
+        config_class(**values)
+    except (ValueError, TypeError) as error:
+        for message in str(error).split("; "):
+            match = re.match(rf"{config_class.__name__}\.(\w+)", message)
+            problems.append((f"config.{match.group(1)}" if match else "config", message))
+    return problems
+
+
+def parse_spec(data: Any, source: str = "<spec>", root: str | Path = ".") -> RunSpec:
+    """Validate already-parsed spec data; raises :class:`SpecError` with every problem."""
+    root = Path(root)
+    if not isinstance(data, dict):
+        raise SpecError(source, [("", f"a run spec is a mapping of sections, got {type(data).__name__}")])
+    try:
+        spec = RunSpec.model_validate(data)
+    except ValidationError as error:
+        problems = [(_where(item["loc"]), item["msg"]) for item in error.errors()]
+        # Also report what the valid sections would have failed on, so one pass shows everything.
+        partial = {key: value for key, value in data.items() if key in ("algorithm", "config") and isinstance(value, (str, dict))}
+        if isinstance(partial.get("algorithm"), str) and partial["algorithm"] in ALGORITHMS and isinstance(partial.get("config", {}), dict):
+            try:
+                _, config_class = ALGORITHMS[partial["algorithm"]].load()
+                problems += config_problems(config_class, partial.get("config", {}))
+            except ImportError:
+                pass
+        raise SpecError(source, problems) from None
+    problems = _check_semantics(spec, root)
+    if problems:
+        raise SpecError(source, problems)
+    return spec
+
+
+def load_spec(path: str | Path, root: str | Path | None = None) -> RunSpec:
+    """Read and validate a YAML run spec; relative paths in it are resolved against ``root``
+    (default: the working directory), and dataset files must lie under ``root/data``."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(str(path), [("", "file not found")])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise SpecError(str(path), [("", f"not valid YAML: {error}")]) from None
+    return parse_spec(data, str(path), root if root is not None else Path.cwd())
+
+
+def algorithm_of(spec: RunSpec) -> Algorithm:
+    return ALGORITHMS[spec.algorithm]
