@@ -209,13 +209,21 @@ def register_agents(
     alias: str = "candidate",
 ) -> list[dict[str, str]]:
     """Log every agent as a ``text-generation`` model in the run, register it as
-    ``<base_name>-agent-<i>``, tag the version and point ``alias`` at it."""
+    ``<base_name>-agent-<i>``, tag the version and point ``alias`` at it (once per run: a
+    repeated call reuses the run's versions)."""
     import mlflow
 
     client = _client(identity["tracking_uri"])
     mlflow.set_tracking_uri(identity["tracking_uri"])
     registered = []
     for index, (model, tokenizer, name) in enumerate(zip(models, tokenizers, agent_model_names(base_name, len(models)))):
+        # Idempotent: a re-run of a finished run finds the version it registered before.
+        existing = [v for v in client.search_model_versions(f"name = '{name}'") if v.run_id == identity["run_id"]]
+        if existing:
+            version = str(existing[0].version)
+            client.set_registered_model_alias(name, alias, version)
+            registered.append({"name": name, "version": version, "alias": alias, "uri": f"models:/{name}@{alias}"})
+            continue
         with mlflow.start_run(run_id=identity["run_id"]):
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer},

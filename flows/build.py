@@ -32,7 +32,7 @@ def load_dataset_source(source: str | DatasetSource | None, root: Path) -> Any:
     return rows if isinstance(rows, datasets.Dataset) else datasets.Dataset.from_list(list(rows))
 
 
-def model_source(source: str | TinySource, root: Path, workdir: Path) -> str:
+def model_source(source: str | TinySource, root: Path, workdir: Path, tracking_uri: str | None = None) -> str:
     """A loadable identifier: tiny recipes are built once under ``workdir/models``; registry URIs
     are exported there as Hugging Face directories."""
     if isinstance(source, TinySource):
@@ -47,11 +47,13 @@ def model_source(source: str | TinySource, root: Path, workdir: Path) -> str:
         return str(directory)
     resolved = model_path_or_id(source, root)
     if resolved.startswith("models:/"):
-        from comlrl.tracking import export_registered_model
         import mlflow
 
-        name = resolved[len("models:/"):].replace("/", "-").replace("@", "-")
-        return str(export_registered_model(mlflow.get_tracking_uri(), resolved, workdir / "models" / "registry" / name))
+        from comlrl.tracking import export_registered_model
+
+        name = resolved[len("models:/"):].replace("/", "-v").replace("@", "-")
+        uri = tracking_uri or mlflow.get_tracking_uri()
+        return str(export_registered_model(uri, resolved, workdir / "models" / "registry" / name))
     return resolved
 
 
@@ -63,12 +65,15 @@ def _callables(value: str | Sequence[str] | None) -> Any:
     return [resolve_callable(path) for path in value]
 
 
-def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callbacks: Sequence[Any] = ()) -> Any:
-    """The trainer the spec describes (models load here, after the spec was validated)."""
+def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callbacks: Sequence[Any] = (),
+                  tracking_uri: str | None = None) -> Any:
+    """The trainer the spec describes (models load here, after the spec was validated);
+    ``tracking_uri`` is where ``models:/`` sources are looked up."""
     root, workdir = Path(root), Path(workdir)
     trainer_class, config_class = algorithm_of(spec).load()
     models = {
-        key: [model_source(s, root, workdir) for s in value] if isinstance(value, list) else model_source(value, root, workdir)
+        key: [model_source(s, root, workdir, tracking_uri) for s in value] if isinstance(value, list)
+        else model_source(value, root, workdir, tracking_uri)
         for key, value in spec.models.items()
     }
     return trainer_class(
@@ -86,14 +91,16 @@ def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callback
 
 
 def with_registered_agents(spec: RunSpec, tracking_uri: str, alias: str) -> RunSpec:
-    """The spec with its agents replaced by the registry's ``alias`` versions (``models:/NAME@alias``),
-    when every agent role has one; otherwise the spec unchanged (e.g. before the first promotion)."""
+    """The spec with its agents replaced by the registry's ``alias`` versions, pinned
+    (``models:/NAME/VERSION``), when every agent role has one; otherwise the spec unchanged
+    (e.g. before the first promotion)."""
     from comlrl import tracking
 
     _, config_class = algorithm_of(spec).load()
     names = tracking.agent_model_names(spec.registered_name, config_class(**spec.config).num_agents)
-    if tracking.aliased_versions(tracking_uri, names, alias) is None:
+    versions = tracking.aliased_versions(tracking_uri, names, alias)
+    if versions is None:
         return spec
     models = {key: value for key, value in spec.models.items() if key not in ("agent_model", "agents")}
-    models["agents"] = [f"models:/{name}@{alias}" for name in names]
+    models["agents"] = [f"models:/{name}/{versions[name]}" for name in names]
     return spec.model_copy(update={"models": models})

@@ -76,6 +76,10 @@ class RunPaths:
         return self.directory / "spec.yaml"
 
     @property
+    def root_file(self) -> Path:
+        return self.directory / "root.txt"
+
+    @property
     def artifact_root(self) -> Path:
         return self.workdir / "mlflow" / "artifacts"
 
@@ -84,8 +88,9 @@ def default_run_id(spec: RunSpec) -> str:
     return f"{spec.name}-{spec_hash(spec)[:10]}"
 
 
-def prepare_run(spec: RunSpec, spec_path: str | Path, run_id: str | None, workdir: str | Path) -> RunPaths:
-    """The run's directory; a new run keeps a copy of its spec, a re-run must bring the same spec."""
+def prepare_run(spec: RunSpec, spec_path: str | Path, run_id: str | None, workdir: str | Path, root: str | Path) -> RunPaths:
+    """The run's directory; a new run keeps a copy of its spec (and the root its paths are
+    relative to, for ``comlrl resume``); a re-run must bring the same spec."""
     run_id = run_id or default_run_id(spec)
     if not re.match(NAME.replace("{0,62}", "{0,127}"), run_id):
         raise ValueError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-' (at most 128)")
@@ -100,6 +105,7 @@ def prepare_run(spec: RunSpec, spec_path: str | Path, run_id: str | None, workdi
         )
     if not stamp.is_file():
         shutil.copyfile(spec_path, run.spec_copy)
+        run.root_file.write_text(str(Path(root).resolve()) + "\n")
         stamp.write_text(digest + "\n")
     return run
 

@@ -49,8 +49,8 @@ def log_params(identity: dict[str, Any], params: dict[str, Any]) -> None:
 
 
 @memory_task
-def load_entities(spec: specs.RunSpec, root: str, workdir: str, callbacks: list[Any]) -> Any:
-    return build.build_trainer(spec, root, workdir, callbacks)
+def load_entities(spec: specs.RunSpec, root: str, workdir: str, callbacks: list[Any], tracking_uri: str) -> Any:
+    return build.build_trainer(spec, root, workdir, callbacks, tracking_uri)
 
 
 @memory_task

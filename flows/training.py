@@ -57,7 +57,7 @@ def start(spec: RunSpec, run: RunPaths, resume_from: str | None, root: str, trac
     identity = tasks.open_tracking(tracking_uri, spec.name, run.run_id, resume_from, str(run.artifact_root), tags)
     tasks.log_params(identity, {"spec": spec.model_dump(mode="json"), "run_id": run.run_id})
     callback = tracking.MLflowCallback(identity)
-    trainer = tasks.load_entities(spec, root, str(run.workdir), [callback])
+    trainer = tasks.load_entities(spec, root, str(run.workdir), [callback], tracking_uri)
     trainer.run_identity["mlflow"] = identity
     runner = tasks.begin_training(quote(trainer), str(run.checkpoints), resume_from, spec.checkpoint.keep)
     return Session(trainer, runner, identity, callback, MetricWindow())
@@ -114,7 +114,7 @@ def train_flow(
     spec = tasks.validate_spec(spec_path, root)
     if init_from_alias:
         spec = tasks.use_registered_agents(spec, tracking_uri, init_from_alias)
-    run = prepare_run(spec, spec_path, run_id, workdir)
+    run = prepare_run(spec, spec_path, run_id, workdir, root)
     total = total_boundaries(spec)
     session: Session | None = None
     checkpoint: str | None = None

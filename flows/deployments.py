@@ -1,0 +1,39 @@
+"""Scheduled retraining: a flow that continues from the registry's champion, and how it is served.
+
+``retrain_flow`` names each run after its scheduled time, so every schedule slot is its own
+resumable run (a Prefect retry of that flow run resumes it), and starts the agents from the
+current ``champion`` versions (the spec's models before the first promotion).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from flows.spec import load_spec
+from flows.training import train_flow
+
+
+@flow(name="comlrl-retrain", log_prints=True)
+def retrain_flow(spec_path: str, workdir: str = ".comlrl", root: str | None = None,
+                 tracking_uri: str | None = None, alias: str = "champion") -> dict[str, Any]:
+    """Retrain the spec's agents starting from the registry's ``alias`` versions."""
+    scheduled = flow_run.scheduled_start_time or datetime.now(timezone.utc)
+    name = load_spec(spec_path, root).name
+    run_id = f"{name}-retrain-{scheduled:%Y%m%dT%H%M%S}"
+    return train_flow(spec_path=spec_path, run_id=run_id, workdir=workdir, root=root,
+                      tracking_uri=tracking_uri, init_from_alias=alias)
+
+
+def serve(spec_path: str, cron: str, workdir: str, root: str, tracking_uri: str | None, name: str) -> None:
+    """Serve ``retrain_flow`` as a deployment on ``cron`` (needs a Prefect server: PREFECT_API_URL)."""
+    retrain_flow.serve(
+        name=name,
+        cron=cron,
+        parameters={"spec_path": spec_path, "workdir": workdir, "root": root, "tracking_uri": tracking_uri},
+        description="Scheduled retraining from the registry's champion agents.",
+        tags=["comlrl", "retrain"],
+    )

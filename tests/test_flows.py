@@ -1,0 +1,286 @@
+"""The training flow end to end on a tiny run, in-process with Prefect's test harness and a
+temporary MLflow SQLite store: fault injection and resume, registry aliases, a consumer load.
+
+One harness and one tiny run set serve the whole module (Prefect and MLflow are slow to start
+on small machines); the tests run in file order and build on each other's flow runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from comlrl.tasks.letters import write_dataset
+from flows.spec import SpecError, load_spec, parse_spec
+
+pytestmark = pytest.mark.slow
+
+SPEC = {
+    "name": "flowtest",
+    "algorithm": "magrpo",
+    "models": {"agent_model": {"tiny": {"architecture": "llama", "vocab_size": 96, "seed": 0}}},
+    "dataset": {"train": "data/letters/train.parquet", "eval": "data/letters/eval.parquet"},
+    "reward": "comlrl.tasks.letters:letters_reward",
+    "config": {"num_agents": 2, "num_generations": 2, "max_new_tokens": 6, "temperature": 1.0,
+               "agent_learning_rate": 0.003, "num_train_epochs": 3, "per_device_train_batch_size": 2,
+               "seed": 0, "disable_tqdm": True},
+}
+STEPS_PER_EPOCH = 2  # 4 rows, batch 2
+
+
+def write_spec(directory: Path, **changes) -> Path:
+    path = directory / "spec.yaml"
+    path.write_text(yaml.safe_dump({**SPEC, **changes}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("project")
+    write_dataset(root / "data" / "letters", num_train=4, num_eval=2)
+    write_spec(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory, project):
+    """Prefect's test harness (temporary API database) with result storage in a temp dir."""
+    home = tmp_path_factory.mktemp("prefect")
+    saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH")}
+    os.environ.update(PREFECT_HOME=str(home), PREFECT_LOCAL_STORAGE_PATH=str(home / "storage"))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=None):
+        yield {"workdir": tmp_path_factory.mktemp("work"), "root": project,
+               "tracking_uri": f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"}
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def task_run_names(flow_run_id, expected: int | None = None, timeout: float = 60.0) -> list[str]:
+    """Task runs of a flow run, from the Prefect API (state records arrive asynchronously)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            runs, page = [], None
+            while page is None or len(page) == 200:
+                page = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                             limit=200, offset=len(runs))
+                runs += page
+            names = sorted(run.name for run in runs if run.state and run.state.is_completed())
+            if expected is None or len(names) >= expected or time.monotonic() > deadline:
+                return names
+            time.sleep(0.5)
+
+
+# ----- spec validation (no Prefect needed) --------------------------------------------------------
+def test_invalid_spec_lists_every_problem_with_its_path(project, tmp_path):
+    bad = {
+        **SPEC,
+        "name": "bad name!",
+        "algorithm": "magrpo",
+        "dataset": {"train": "../outside.parquet", "eval": {"path": "data/letters/eval.parquet", "name": "x"}},
+        "reward": "comlrl.tasks.letters:no_such_function",
+        "formatters": "not an import path",
+        "config": {**SPEC["config"], "num_generations": 1, "temperature": -1.0},
+        "colour": "blue",
+    }
+    with pytest.raises(SpecError) as caught:
+        parse_spec(bad, "bad.yaml", project)
+    paths = {path for path, _ in caught.value.problems}
+    assert {"name", "colour", "dataset.eval", "config.temperature"} <= paths, caught.value.problems
+    # The same file with only the schema-level problems fixed reports the semantic ones, all at once.
+    fixed = {**bad, "name": "ok", "dataset": {"train": "../outside.parquet"}}
+    fixed.pop("colour")
+    with pytest.raises(SpecError) as caught:
+        parse_spec(fixed, "bad.yaml", project)
+    problems = dict(caught.value.problems)
+    assert set(problems) == {"config.temperature", "dataset.train", "reward", "formatters"}, problems
+    assert "outside the data directory" in problems["dataset.train"]
+    assert "no attribute 'no_such_function'" in problems["reward"]
+    assert "must be > 0.0" in problems["config.temperature"]
+    assert "config.temperature" in str(caught.value) and "4 problem(s)" in str(caught.value)
+
+
+def test_spec_cannot_execute_code(project, tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("name: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(path, project)
+
+
+def test_unknown_algorithm_and_model_arguments(project):
+    with pytest.raises(SpecError) as caught:
+        parse_spec({**SPEC, "algorithm": "ppo", "models": {"critic": "x"}}, "s.yaml", project)
+    problems = dict(caught.value.problems)
+    assert "unknown algorithm 'ppo'" in problems["algorithm"]
+    assert "models" in problems
+
+
+def test_the_bundled_demo_spec_is_valid():
+    root = Path(__file__).resolve().parent.parent
+    spec = load_spec(root / "flows" / "specs" / "letters.yaml", root)
+    assert spec.algorithm == "magrpo" and spec.registered_name == "letters-demo"
+
+
+# ----- the flow -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference_weights(project, tmp_path_factory):
+    """Final weights of an uninterrupted run: the library's own train() on the same spec."""
+    from flows.build import build_trainer
+
+    trainer = build_trainer(load_spec(project / "spec.yaml", project), project, tmp_path_factory.mktemp("ref"))
+    trainer.train()
+    return [{k: v.clone() for k, v in agent.state_dict().items()} for agent in trainer.agents]
+
+
+class FailOnce:
+    """Makes the policy update of one epoch raise the first time it runs."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch, self.fired = epoch, False
+
+    def install(self, monkeypatch) -> None:
+        from comlrl.trainers.reinforce import MAGRPOTrainer
+
+        original = MAGRPOTrainer.update
+        guard = self
+
+        def update(trainer, rollout, advantages):
+            if trainer.state.epoch == guard.epoch and not guard.fired:
+                guard.fired = True
+                raise RuntimeError("injected fault in the policy update")
+            return original(trainer, rollout, advantages)
+
+        monkeypatch.setattr(MAGRPOTrainer, "update", update)
+
+
+@pytest.fixture(scope="module")
+def resumed(pipeline, reference_weights):
+    """A flow run that fails in epoch 2's update, then a re-run of the same run id."""
+    from flows.training import train_flow
+
+    monkeypatch = pytest.MonkeyPatch()
+    FailOnce(epoch=1).install(monkeypatch)
+    arguments = dict(spec_path=str(pipeline["root"] / "spec.yaml"), run_id="fault-run", workdir=str(pipeline["workdir"]),
+                     root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"])
+    failed = train_flow(**arguments, return_state=True)
+    completed = train_flow(**arguments, return_state=True)
+    monkeypatch.undo()
+    return {"failed": failed, "completed": completed, "result": completed.result()}
+
+
+def test_a_failed_flow_run_resumes_after_the_last_completed_boundary(resumed):
+    assert resumed["failed"].is_failed()
+    assert resumed["completed"].is_completed()
+    first = task_run_names(resumed["failed"].state_details.flow_run_id)
+    # The first run finished epoch 1 (rollout..record_step for both steps, its checkpoint) and
+    # epoch 2's first rollout, score and advantages before the update raised.
+    assert [n for n in first if n.startswith("rollout-")] == ["rollout-b1-s1", "rollout-b1-s2", "rollout-b2-s1"]
+    assert sum(n.startswith("save_checkpoint") for n in first) == 1
+    expected = 2 * STEPS_PER_EPOCH * 5 + 2 + 2  # stages of epochs 2-3, end_epoch x2, checkpoints x2 ...
+    second = task_run_names(resumed["completed"].state_details.flow_run_id, expected=expected)
+    assert not [n for n in second if "-b1-" in n or n.endswith("-b1")], "epoch 1 ran again"
+    assert [n for n in second if n.startswith("update-")] == ["update-b2-s1", "update-b2-s2", "update-b3-s1", "update-b3-s2"]
+    assert sum(n.startswith("begin_training") for n in second) == 1
+    assert sum(n.startswith("save_checkpoint") for n in second) == 2
+    assert sum(n.startswith("register_agents") for n in second) == 1
+
+
+def test_resumed_weights_equal_an_uninterrupted_run(resumed, reference_weights):
+    from comlrl.checkpointing.io import load_pt  # noqa: F401  (weights are safetensors)
+    from safetensors.torch import load_file
+
+    checkpoint = Path(resumed["result"]["checkpoint"])
+    assert checkpoint.name == "checkpoint-3"
+    for index, reference in enumerate(reference_weights):
+        saved = load_file(str(checkpoint / "models" / f"agent_{index}.safetensors"))
+        for name, tensor in reference.items():
+            if name in saved:
+                assert torch.equal(saved[name], tensor), f"agent_{index}.{name} differs"
+        assert set(saved) <= set(reference)
+
+
+def test_the_resumed_flow_logs_into_the_same_mlflow_run(resumed, pipeline):
+    from mlflow.tracking import MlflowClient
+
+    from comlrl.utils import read_checkpoint_metadata
+
+    result = resumed["result"]
+    first_checkpoint = Path(result["checkpoint"]).parent / "checkpoint-1"
+    identity = read_checkpoint_metadata(first_checkpoint)["mlflow"]
+    assert identity["run_id"] == result["mlflow_run_id"]
+    client = MlflowClient(pipeline["tracking_uri"])
+    run = client.get_run(result["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["spec.algorithm"] == "magrpo"
+    steps = {m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")}
+    assert steps == set(range(1, 3 * STEPS_PER_EPOCH + 1))
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"plots", "spec", "checkpoints"} <= artifacts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/reward_curve.png"]
+
+
+def test_agents_are_registered_promoted_and_load_by_alias(resumed, pipeline):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from comlrl import tracking
+
+    uri = pipeline["tracking_uri"]
+    registered = resumed["result"]["registered"]
+    names = [entry["name"] for entry in registered]
+    assert names == ["flowtest-agent-0", "flowtest-agent-1"]
+    client = MlflowClient(uri)
+    version = client.get_model_version_by_alias("flowtest-agent-0", "candidate")
+    assert version.tags["comlrl.algorithm"] == "magrpo"
+    assert version.tags["comlrl.run_id"] == "fault-run"
+    assert len(version.tags["comlrl.spec_hash"]) == 64
+    assert version.run_id == resumed["result"]["mlflow_run_id"]
+    with pytest.raises(ValueError, match="no version with alias 'nope'"):
+        tracking.promote(uri, names, "nope", "champion")
+    moved = tracking.promote(uri, names, "candidate", "champion")
+    assert [m["version"] for m in moved] == [str(version.version), registered[1]["version"]]
+    mlflow.set_tracking_uri(uri)
+    generator = mlflow.transformers.load_model("models:/flowtest-agent-0@champion")
+    text = generator("tell me about the cat", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("tell me about the cat") and len(text) > len("tell me about the cat")
+    # The champion's weights are the trained ones.
+    components = mlflow.transformers.load_model("models:/flowtest-agent-0@champion", return_type="components")
+    saved = dict(components["model"].named_parameters())
+    from safetensors.torch import load_file
+
+    trained = load_file(str(Path(resumed["result"]["checkpoint"]) / "models" / "agent_0.safetensors"))
+    assert all(torch.equal(saved[name].detach(), trained[name]) for name in trained if name in saved)
+
+
+def test_rerunning_a_completed_run_trains_nothing_and_retraining_starts_from_the_champion(resumed, pipeline):
+    from flows.training import train_flow
+
+    arguments = dict(spec_path=str(pipeline["root"] / "spec.yaml"), workdir=str(pipeline["workdir"]),
+                     root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"])
+    again = train_flow(**arguments, run_id="fault-run", return_state=True)
+    names = task_run_names(again.state_details.flow_run_id, expected=5)
+    assert again.is_completed() and not [n for n in names if n.startswith(("rollout", "update"))]
+    assert [e["version"] for e in again.result()["registered"]] == ["1", "1"]  # not registered twice
+    # A retraining run from the champion loads the registered agents (exported from MLflow).
+    retrained = train_flow(**arguments, run_id="from-champion", init_from_alias="champion",
+                           return_state=True).result()
+    spec_copy = Path(pipeline["workdir"]) / "runs" / "from-champion"
+    assert (Path(pipeline["workdir"]) / "models" / "registry" / "flowtest-agent-0-v1" / "config.json").is_file()
+    assert retrained["registered"][0]["version"] == "2"
+    assert spec_copy.is_dir()
