@@ -1,0 +1,97 @@
+"""The pipeline against real servers: infra/servers.sh starts `prefect server start` and
+`mlflow server` on free loopback ports (SQLite back ends), `comlrl run` trains a tiny run
+against them, and both servers' HTTP APIs are asked for the flow run and the registered models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from comlrl.tasks.letters import write_dataset
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def get_json(url: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def servers(tmp_path):
+    env = {**os.environ, "COMLRL_SERVICES_DIR": str(tmp_path / "services"), "PREFECT_PORT": str(free_port()),
+           "MLFLOW_PORT": str(free_port()), "COMLRL_START_TIMEOUT": "150", "COMLRL_VENV": str(Path(sys.executable).parent.parent)}
+    script = ["bash", str(ROOT / "infra" / "servers.sh")]
+    try:
+        started = subprocess.run(script + ["start"], env=env, capture_output=True, text=True, timeout=200)
+        assert started.returncode == 0, started.stdout + started.stderr
+        exports = dict(line.removeprefix("export ").split("=", 1) for line in started.stdout.splitlines()
+                       if line.startswith("export "))
+        yield exports
+    finally:
+        stopped = subprocess.run(script + ["stop"], env=env, capture_output=True, text=True, timeout=60)
+        assert "stopped prefect" in stopped.stdout and "stopped mlflow" in stopped.stdout, stopped.stdout + stopped.stderr
+
+
+def test_the_flow_runs_against_real_prefect_and_mlflow_servers(servers, tmp_path):
+    assert servers["PREFECT_API_URL"].startswith("http://127.0.0.1:")  # loopback by default
+    assert servers["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
+    project = tmp_path / "project"
+    write_dataset(project / "data" / "letters", num_train=4, num_eval=2)
+    spec = {
+        "name": "servertest",
+        "algorithm": "magrpo",
+        "models": {"agent_model": {"tiny": {"architecture": "llama", "vocab_size": 96}}},
+        "dataset": {"train": "data/letters/train.parquet", "eval": "data/letters/eval.parquet"},
+        "reward": "comlrl.tasks.letters:letters_reward",
+        "config": {"num_agents": 2, "num_generations": 2, "max_new_tokens": 6, "num_train_epochs": 2,
+                   "per_device_train_batch_size": 2, "seed": 0, "disable_tqdm": True},
+    }
+    (project / "spec.yaml").write_text(yaml.safe_dump(spec))
+    env = {**os.environ, **servers, "HF_HUB_OFFLINE": "1"}
+    for key in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH"):
+        env.pop(key, None)
+    command = [sys.executable, "-m", "flows.cli", "run", str(project / "spec.yaml"), "--root", str(project),
+               "--run-id", "server-run", "--workdir", str(tmp_path / "work")]
+    finished = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+
+    # Prefect: the flow run is recorded by the server, Completed.
+    api = servers["PREFECT_API_URL"]
+    runs = get_json(f"{api}/flow_runs/filter", {"limit": 10})
+    states = {run["name"]: run["state_type"] for run in runs}
+    assert list(states.values()) == ["COMPLETED"], states
+    task_runs = get_json(f"{api}/task_runs/filter", {"limit": 200})
+    assert sum(run["name"].startswith("update-b") for run in task_runs) == 4  # 2 epochs x 2 steps
+
+    # MLflow: both agents registered, alias candidate on the version the run logged.
+    mlflow_api = f"{servers['MLFLOW_TRACKING_URI']}/api/2.0/mlflow"
+    for index in range(2):
+        name = f"servertest-agent-{index}"
+        query = urllib.parse.urlencode({"name": name, "alias": "candidate"})
+        version = get_json(f"{mlflow_api}/registered-models/alias?{query}")["model_version"]
+        assert version["name"] == name and version["status"] == "READY"
+        tags = {tag["key"]: tag["value"] for tag in version.get("tags", [])}
+        assert tags["comlrl.run_id"] == "server-run" and tags["comlrl.algorithm"] == "magrpo"
+        run = get_json(f"{mlflow_api}/runs/get?run_id={version['run_id']}")["run"]
+        assert run["info"]["status"] == "FINISHED"
