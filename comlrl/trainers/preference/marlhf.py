@@ -200,16 +200,32 @@ class MARLHFTrainer(MultiAgentTrainer):
         }
 
     # ----- the stage loop ------------------------------------------------------------------
-    def run_boundaries(self, runner: Any) -> None:
+    def begin_training(self, **checkpoint_options: Any) -> Any:
+        runner = super().begin_training(**checkpoint_options)
         self.prepare_output_dir(resuming=runner.resume_path is not None)
-        while self.state.iteration < self.num_iterations:
-            while self.state.stage < len(STAGES):
-                name = STAGES[self.state.stage]
-                metrics = getattr(self, name)()
-                self.record_stage(name, metrics)
-                self.state.stage += 1
-                self.state.boundaries += 1
-                runner.on_boundary()
+        return runner
+
+    def total_boundaries(self) -> int:
+        return len(STAGES) * self.num_iterations
+
+    def run_boundaries(self, runner: Any) -> None:
+        while self.state.boundaries < self.total_boundaries():
+            self.run_next_stage()
+            runner.on_boundary()
+        self._advance_iteration()
+
+    def run_next_stage(self) -> dict[str, float]:
+        """Run the next stage (one boundary) and count it; the pipeline runs one task per call."""
+        self._advance_iteration()
+        name = STAGES[self.state.stage]
+        metrics = getattr(self, name)()
+        self.record_stage(name, metrics)
+        self.state.stage += 1
+        self.state.boundaries += 1
+        return metrics
+
+    def _advance_iteration(self) -> None:
+        if self.state.stage == len(STAGES):
             self.state.stage = 0
             self.state.iteration += 1
 
