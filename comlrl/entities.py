@@ -193,22 +193,24 @@ def resolve_tokenizers(
 def load_models(
     sources: list[Any],
     tokenizers: list[PreTrainedTokenizerBase],
-    device: torch.device,
+    device: torch.device | Sequence[torch.device],
     dtype: torch.dtype,
     role: str = "agent",
     trust_remote_code: bool = False,
 ) -> LoadedModels:
-    """Load every source; repeated identifiers and repeated objects become independent copies."""
+    """Load every source (onto ``device``, or ``device[i]`` when given one per source); repeated
+    identifiers and repeated objects become independent copies."""
+    devices = [device] * len(sources) if isinstance(device, torch.device) else list(device)
     models: list[PreTrainedModel] = []
     loaded: dict[int, PreTrainedModel] = {}
     by_name: dict[str, PreTrainedModel] = {}
     for index, source in enumerate(sources):
         if isinstance(source, str) and source in by_name:
-            model = copy.deepcopy(by_name[source])
+            model = copy.deepcopy(by_name[source]).to(devices[index])
         elif not isinstance(source, str) and id(source) in loaded:
-            model = copy.deepcopy(loaded[id(source)])
+            model = copy.deepcopy(loaded[id(source)]).to(devices[index])
         else:
-            model = load_causal_lm(source, device, dtype, trust_remote_code)
+            model = load_causal_lm(source, devices[index], dtype, trust_remote_code)
             if isinstance(source, str):
                 by_name[source] = model
             else:

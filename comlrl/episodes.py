@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from comlrl.data import Formatter, format_prompt
+from comlrl.placement import devices_of, map_by_device
 from comlrl.rewards import JointReward
 from comlrl.rollout import Generation, SamplingParams, generate_completions
 
@@ -77,10 +78,13 @@ def _generate_turn(
     max_prompt_length: int | None,
     prompt_overflow: str = "truncate",
 ) -> list[Generation]:
-    return [
-        generate_completions(agent, tokenizer, agent_prompts, num_generations, sampling, max_prompt_length, prompt_overflow)
-        for agent, tokenizer, agent_prompts in zip(agents, tokenizers, prompts)
-    ]
+    # Agents on different GPUs generate side by side (see comlrl.placement); otherwise in order.
+    return map_by_device(
+        lambda a: generate_completions(
+            agents[a], tokenizers[a], prompts[a], num_generations, sampling, max_prompt_length, prompt_overflow
+        ),
+        devices_of(agents),
+    )
 
 
 def _next_prompts(

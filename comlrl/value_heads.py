@@ -69,7 +69,11 @@ def sequence_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
     head = getattr(model, "value_head", None)
     if head is None:
         raise ValueError(f"model {type(model).__name__} has no value_head; attach one with attach_value_head(model)")
-    hidden = model.base_model(
+    device = next(model.parameters()).device  # a critic may sit on another device than its actor
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    # A peft (LoRA) model wraps the transformers model whose backbone we need.
+    backbone = model.get_base_model().base_model if hasattr(model, "get_base_model") else model.base_model
+    hidden = backbone(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask),

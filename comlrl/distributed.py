@@ -1,0 +1,155 @@
+"""Data parallelism across processes started by ``torchrun`` or ``accelerate launch``.
+
+Every process holds full copies of all agents. Each global batch of
+``per_device_train_batch_size * world_size`` prompts is dealt out round-robin, rank ``r``
+taking prompts ``r, r + world_size, ...``; a prompt's whole group of ``num_generations``
+samples stays on one rank, so the group-relative advantages computed locally are exact.
+Before every optimizer step the gradients are averaged over the processes with
+``torch.distributed.all_reduce`` (the averaging DDP does), so every rank takes the same step
+and the weights stay identical. Rank 0 writes checkpoints while the others wait at a barrier;
+all ranks load them. Single-process runs never touch ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from comlrl.seeding import set_seed
+
+logger = logging.getLogger(__name__)
+
+# Set by ``accelerate launch`` when its config asks for sharded training.
+SHARDED_LAUNCH_FLAGS = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed"}
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Where this process stands in a data-parallel launch (rank 0 of 1 when launched plainly)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ----- data ---------------------------------------------------------------------------------
+    def shard(self, batch: Sequence[int]) -> list[int]:
+        """This rank's prompts of a global batch (round-robin)."""
+        return list(batch[self.rank::self.world_size])
+
+    def check_batches(self, num_rows: int, batch_size: int) -> None:
+        """Every rank needs at least one prompt of every global batch, the last one included."""
+        if not self.enabled:
+            return
+        last = num_rows % (batch_size * self.world_size) or batch_size * self.world_size
+        if last < self.world_size:
+            raise ValueError(
+                f"train_dataset has {num_rows} rows: with per_device_train_batch_size={batch_size} on "
+                f"{self.world_size} processes the last global batch has {last} prompt(s), too few for every "
+                "process to get one; change the batch size, the number of processes or the dataset size"
+            )
+
+    # ----- collectives --------------------------------------------------------------------------
+    def _comm_device(self) -> torch.device:
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def average_gradients(self, models: Sequence[torch.nn.Module]) -> None:
+        """Replace every trainable parameter's gradient by its mean over the processes.
+
+        A parameter without a gradient counts as zero, so every rank joins the same collectives.
+        """
+        if not self.enabled:
+            return
+        device = self._comm_device()
+        for model in models:
+            for parameter in model.parameters():
+                if not parameter.requires_grad:
+                    continue
+                if parameter.grad is None:
+                    parameter.grad = torch.zeros_like(parameter)
+                grad = parameter.grad
+                buffer = grad if grad.device == device else grad.to(device)
+                dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+                buffer /= self.world_size
+                if buffer is not grad:
+                    grad.copy_(buffer)
+
+    def average_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """The mean of each scalar metric over the processes (every rank reports the same names)."""
+        if not self.enabled:
+            return metrics
+        names = sorted(metrics)
+        values = torch.tensor([float(metrics[name]) for name in names], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        return dict(zip(names, (values / self.world_size).tolist()))
+
+    def broadcast_parameters(self, models: Sequence[torch.nn.Module]) -> None:
+        """Rank 0's weights and buffers to every rank (as DDP does at construction)."""
+        if not self.enabled:
+            return
+        device = self._comm_device()
+        for model in models:
+            for tensor in model.state_dict().values():
+                buffer = tensor if tensor.device == device else tensor.to(device)
+                dist.broadcast(buffer, src=0)
+                if buffer is not tensor:
+                    tensor.copy_(buffer)
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def seed(self, seed: int, global_step: int) -> None:
+        """Give each rank its own sampling stream (rank 0's RNG state is the one checkpoints keep)."""
+        if self.enabled:
+            set_seed(seed + 1_000_003 * self.rank + 7919 * global_step)
+
+
+def check_launch() -> None:
+    """Sharded launches (FSDP, DeepSpeed) are refused before anything loads: the trainers replicate models."""
+    for flag, name in SHARDED_LAUNCH_FLAGS.items():
+        if os.environ.get(flag, "").lower() in ("1", "true", "yes"):
+            raise ValueError(
+                f"this process was launched with an accelerate {name} config ({flag}=true), but the trainers "
+                "replicate every model per process (DDP-style); launch with infra/accelerate/multi_gpu.yaml, and fit "
+                "larger models with placement (device=[...]), LoRA (lora_rank), precision and gradient_checkpointing"
+            )
+
+
+def current() -> DataParallel:
+    """The data-parallel launch of this process, joining its process group on first use.
+
+    ``torchrun`` and ``accelerate launch`` set ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``; the group
+    uses NCCL when CUDA is present and gloo otherwise.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1 and not dist.is_initialized():
+        return DataParallel()
+    check_launch()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend)
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        logger.info("joined a %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())
+    return DataParallel(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size()))),
+    )
