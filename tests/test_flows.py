@@ -284,3 +284,42 @@ def test_rerunning_a_completed_run_trains_nothing_and_retraining_starts_from_the
     assert (Path(pipeline["workdir"]) / "models" / "registry" / "flowtest-agent-0-v1" / "config.json").is_file()
     assert retrained["registered"][0]["version"] == "2"
     assert spec_copy.is_dir()
+
+
+def test_marlhf_iter_runs_one_task_per_pbrl_stage_and_logs_the_pairs(pipeline):
+    from mlflow.tracking import MlflowClient
+
+    from flows.training import train_flow
+
+    directory = pipeline["root"] / "pbrl"
+    directory.mkdir(exist_ok=True)
+    config = {**SPEC["config"], "num_train_epochs": 1, "num_iterations": 2, "reward_model_device": None,
+              "reward_train_epochs": 1, "reward_batch_size": 2}
+    path = write_spec(directory, name="pbrltest", algorithm="marlhf_iter", config=config)
+    state = train_flow(spec_path=str(path), run_id="pbrl-run", workdir=str(pipeline["workdir"]),
+                       root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"], return_state=True)
+    result = state.result()
+    names = task_run_names(state.state_details.flow_run_id, expected=20)
+    assert [n for n in names if n.startswith("pbrl_stage")] == [f"pbrl_stage-b{i}" for i in range(1, 7)]
+    assert Path(result["checkpoint"]).name == "checkpoint-6"
+    client = MlflowClient(pipeline["tracking_uri"])
+    assert [a.path for a in client.list_artifacts(result["mlflow_run_id"], "preferences")] == [
+        "preferences/preference_pairs.parquet"]
+    assert [e["name"] for e in result["registered"]] == ["pbrltest-agent-0", "pbrltest-agent-1"]
+
+
+def test_actor_critic_trainers_run_their_declared_stages_as_tasks(pipeline):
+    from flows.training import train_flow
+
+    directory = pipeline["root"] / "maac"
+    directory.mkdir(exist_ok=True)
+    config = {key: value for key, value in SPEC["config"].items() if key != "num_generations"}
+    tiny = SPEC["models"]["agent_model"]
+    path = write_spec(directory, name="maactest", algorithm="maac", config={**config, "num_train_epochs": 1},
+                      models={"agent_model": tiny, "critic_model": tiny})
+    state = train_flow(spec_path=str(path), run_id="maac-run", workdir=str(pipeline["workdir"]),
+                       root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"], return_state=True)
+    assert state.is_completed()
+    names = task_run_names(state.state_details.flow_run_id, expected=15)
+    assert {n.rsplit("-b", 1)[0] for n in names if n.endswith("-b1-s1")} == {
+        "rollout", "score", "critic_inputs", "values", "advantages", "update", "record_step"}
