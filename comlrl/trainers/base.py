@@ -16,11 +16,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
+from transformers import get_scheduler
 
 from comlrl import entities
 from comlrl.callbacks import TrainerCallback, dispatch
 from comlrl.data import batches, check_dataset, epoch_order, format_prompt, resolve_formatters
-from comlrl.device import default_dtype, resolve_device
+from comlrl import distributed, lora
+from comlrl.memory import device_memory_metrics, enable_gradient_checkpointing, resolve_precision
+from comlrl.placement import devices_of, local_gpus, private_tokenizers, resolve_placement, runs_concurrently
 from comlrl.errors import NonFiniteTrainingError, TrainingInterrupted, TrainingStopped
 from comlrl.export import save_pretrained_models
 from comlrl.metrics import MetricWindow
@@ -67,6 +70,7 @@ class MultiAgentTrainer:
 
     config_class: type[RolloutConfig] = RolloutConfig
     tokenizer_explicit_for_lists = False
+    data_parallel = distributed.DataParallel()  # one process until __init__ looks at the launch
 
     def __init__(
         self,
@@ -115,10 +119,16 @@ class MultiAgentTrainer:
         self.external_transition = external_transition
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
-        self.callbacks: list[TrainerCallback] = list(callbacks or [])
+        self.data_parallel = distributed.current()
+        self.data_parallel.check_batches(len(train_dataset), self.args.per_device_train_batch_size)
+        # Under data parallelism only rank 0 logs, so trackers see one run.
+        self.callbacks: list[TrainerCallback] = list(callbacks or []) if self.data_parallel.is_main else []
         self.wandb_config = wandb_config
-        self.device = resolve_device(self.args.device)
-        self.dtype = self.model_config.get("dtype") or default_dtype(self.device)
+        self.agent_devices = self.resolve_devices(self.args.device, sources, "device")
+        self.device = self.agent_devices[0]
+        self.dtype = self.model_config.get("dtype") or resolve_precision(self.args.precision, self.device)
+        if self.args.lora_rank is not None:
+            lora.require_peft()
         self.check_before_loading(sources)
 
         set_seed(self.args.seed)
@@ -130,10 +140,11 @@ class MultiAgentTrainer:
             trainer_name=type(self).__name__,
             trust_remote_code=self.args.trust_remote_code,
         )
-        loaded = entities.load_models(sources, tokenizers, self.device, self.dtype, "agent", self.args.trust_remote_code)
-        self.agents = loaded.models
+        loaded = entities.load_models(sources, tokenizers, self.agent_devices, self.dtype, "agent", self.args.trust_remote_code)
+        self.agents = self.prepare_agents(loaded.models)
         self.check_context(self.agents)
-        self.tokenizers = loaded.tokenizers
+        concurrent = runs_concurrently(self.agent_devices)
+        self.tokenizers = private_tokenizers(loaded.tokenizers) if concurrent else loaded.tokenizers
         self.agent_sources = loaded.sources
         self.optimizers = [self._make_optimizer(agent.parameters(), self.args.agent_learning_rate) for agent in self.agents]
         self.state = self.new_state()
@@ -153,6 +164,26 @@ class MultiAgentTrainer:
                     f"in the {context}-token context of agent {index}; lower it"
                 )
 
+    def resolve_devices(self, requested: Any, sources: list[Any], field_name: str) -> list[torch.device]:
+        """Checked devices for ``sources`` from a placement field (see :mod:`comlrl.placement`)."""
+        gpus = local_gpus(self.data_parallel.local_rank, self.data_parallel.local_world_size)
+        where = f"{type(self.args).__name__}.{field_name}"
+        return resolve_placement(requested, sources, where, gpus, self.args.trust_remote_code)
+
+    def prepare_agents(self, models: list[Any]) -> list[Any]:
+        """Memory options on freshly loaded actors, then rank 0's weights to every process."""
+        if self.args.lora_rank is not None:
+            args = self.args
+            models = [lora.add_adapters(m, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+                      for m in models]
+        if self.args.gradient_checkpointing:
+            enable_gradient_checkpointing(models)
+        self.data_parallel.broadcast_parameters(models)
+        return models
+
+    def model_devices(self) -> list[torch.device]:
+        return devices_of(list(self.agents) + list(getattr(self, "critics", [])))
+
     def check_before_loading(self, sources: list[Any]) -> None:
         """Subclass hook: validate what depends on the resolved sources before any model loads."""
 
@@ -169,7 +200,23 @@ class MultiAgentTrainer:
         return set(MODEL_CONFIG_KEYS)
 
     def _make_optimizer(self, parameters: Any, learning_rate: float) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=self.args.weight_decay)
+        """AdamW with the configured learning-rate schedule attached (see :meth:`scheduler_for`)."""
+        optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=self.args.weight_decay)
+        if not hasattr(self, "_schedulers"):
+            self._schedulers: dict[int, Any] = {}
+        self._schedulers[id(optimizer)] = get_scheduler(
+            self.args.lr_scheduler_type,
+            optimizer,
+            num_warmup_steps=self.args.warmup_steps,
+            num_training_steps=max(1, self.planned_optimizer_steps()),
+        )
+        return optimizer
+
+    def planned_optimizer_steps(self) -> int:
+        return -(-self.args.num_train_epochs * self.batches_per_epoch() // self.args.gradient_accumulation_steps)
+
+    def scheduler_for(self, optimizer: torch.optim.Optimizer) -> Any:
+        return getattr(self, "_schedulers", {}).get(id(optimizer))
 
     @property
     def sampling(self) -> SamplingParams:
@@ -181,12 +228,18 @@ class MultiAgentTrainer:
         )
 
     # ----- the loop ---------------------------------------------------------------------------
+    @property
+    def global_batch_size(self) -> int:
+        """Prompts per step over all data-parallel processes."""
+        return self.args.per_device_train_batch_size * self.data_parallel.world_size
+
     def batches_per_epoch(self) -> int:
-        return len(batches(list(range(len(self.train_dataset))), self.args.per_device_train_batch_size))
+        return len(batches(list(range(len(self.train_dataset))), self.global_batch_size))
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This process's prompts of every global batch of ``epoch`` (all of them in one process)."""
         order = epoch_order(len(self.train_dataset), self.args.seed, epoch, self.args.shuffle)
-        return batches(order, self.args.per_device_train_batch_size)
+        return [self.data_parallel.shard(batch) for batch in batches(order, self.global_batch_size)]
 
     step_stages: tuple[Stage, ...] = ()
 
@@ -249,7 +302,8 @@ class MultiAgentTrainer:
         """Every remaining boundary (here: epochs), calling ``runner.on_boundary()`` after each."""
         window = MetricWindow()
         total = self.args.num_train_epochs * self.batches_per_epoch()
-        progress = tqdm(total=total, initial=self.state.global_step, disable=self.args.disable_tqdm, desc="train")
+        hidden = self.args.disable_tqdm or not self.data_parallel.is_main
+        progress = tqdm(total=total, initial=self.state.global_step, disable=hidden, desc="train")
         try:
             while self.state.epoch < self.args.num_train_epochs:
                 self.run_epoch(window, progress)
@@ -309,7 +363,8 @@ class MultiAgentTrainer:
         raise NotImplementedError
 
     def step_optimizers(self, optimizers: list[torch.optim.Optimizer], models: list[torch.nn.Module]) -> list[float]:
-        """Clip, step and zero; returns each model's gradient norm before clipping."""
+        """Average over processes, clip, step and zero; returns each model's gradient norm before clipping."""
+        self.data_parallel.average_gradients(models)
         norms = []
         skipped = 0
         for optimizer, model in zip(optimizers, models):
@@ -319,6 +374,9 @@ class MultiAgentTrainer:
             norms.append(float(norm))
             if torch.isfinite(norm):
                 optimizer.step()
+                scheduler = self.scheduler_for(optimizer)
+                if scheduler is not None:
+                    scheduler.step()
             else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights
                 skipped += 1
             optimizer.zero_grad(set_to_none=True)
@@ -352,7 +410,7 @@ class MultiAgentTrainer:
             "num_agents": self.num_agents,
             "tokenizer_sizes": [len(t) for t in self.tokenizers],
             "train_dataset_rows": len(self.train_dataset),
-            "per_device_train_batch_size": self.args.per_device_train_batch_size,
+            "train_batch_size": self.global_batch_size,  # per_device_train_batch_size x processes
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
             "seed": self.args.seed,
         }
@@ -371,5 +429,8 @@ class MultiAgentTrainer:
         An export, not a checkpoint: optimizer, progress and RNG states are not saved.
         """
         output_dir = Path(output_dir)
-        save_pretrained_models(self.agents, self.tokenizers, [output_dir / f"agent_{i}" for i in range(self.num_agents)])
+        if self.data_parallel.is_main:  # LoRA actors: merged weights or adapter files, per lora_save
+            agents = [lora.exportable(agent, self.args.lora_save) for agent in self.agents]
+            save_pretrained_models(agents, self.tokenizers, [output_dir / f"agent_{i}" for i in range(self.num_agents)])
+        self.data_parallel.barrier()
         return output_dir

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from comlrl.config import ConfigBase, option
+from comlrl.placement import check_placement_format
 
 
 @dataclass
@@ -23,6 +24,9 @@ class RolloutConfig(ConfigBase):
     )
     agent_learning_rate: float = option(5e-6, "AdamW learning rate of the agents.", min=0.0, min_exclusive=True)
     weight_decay: float = option(0.0, "AdamW weight decay of the agents.", min=0.0)
+    lr_scheduler_type: str = option("constant", "Learning-rate schedule of every optimizer (transformers.get_scheduler).",
+                                    choices=("constant", "constant_with_warmup", "linear", "cosine"))
+    warmup_steps: int = option(0, "Optimizer steps of linear warm-up (schedules with warm-up).", min=0)
     num_train_epochs: int = option(1, "Passes over train_dataset (counts the whole run when resuming).", min=1)
     per_device_train_batch_size: int = option(1, "Prompts per rollout batch.", min=1)
     gradient_accumulation_steps: int = option(1, "Rollout batches per optimizer step.", min=1)
@@ -37,7 +41,23 @@ class RolloutConfig(ConfigBase):
     eval_interval: int | None = option(None, "Evaluate on eval_dataset every N steps (None = only when asked).",
                                        min=1, kind=int, optional=True)
     eval_num_samples: int = option(4, "Rows of eval_dataset used per evaluation.", min=1)
-    device: str = option("auto", "'auto' (CUDA if present, else CPU), 'cpu', 'cuda' or 'cuda:N'.")
+    device: str | list = option(
+        "auto", "Placement of the agents: 'auto' (spread over this process's GPUs by size; CPU without GPUs), "
+        "one device for all ('cpu', 'cuda', 'cuda:N') or a list with one device per agent.", kind=(str, list))
+    precision: str = option("auto", "Dtype the models load and train in: 'auto' (bf16 on CUDA GPUs that support it, "
+                            "else fp32), 'fp32', 'bf16' or 'fp16' (no loss scaling; prefer bf16).",
+                            choices=("auto", "fp32", "bf16", "fp16"))
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass to save memory.")
+    lora_rank: int | None = option(None, "Train LoRA adapters of this rank on every actor (needs the 'lora' extra, "
+                                   "peft); None = full fine-tuning.", min=1, kind=int, optional=True)
+    lora_alpha: float = option(16.0, "LoRA scaling numerator (the update is scaled by lora_alpha / lora_rank).",
+                               min=0.0, min_exclusive=True)
+    lora_dropout: float = option(0.0, "Dropout on the LoRA path.", min=0.0, max=1.0)
+    lora_target_modules: list | None = option(None, "Module names that get adapters (None = every linear layer "
+                                              "except the output head).", kind=list, optional=True)
+    lora_save: str = option("merged", "What save_model writes for LoRA actors: 'merged' (adapters folded in; loads "
+                            "with AutoModelForCausalLM) or 'adapter' (peft adapter files only).",
+                            choices=("merged", "adapter"))
     trust_remote_code: bool = option(False, "Allow model repositories to run their own code (off unless you set it).")
     disable_tqdm: bool = option(False, "Hide the training progress bar.")
     invalid_reward: str = option("raise", "A non-number, NaN or inf reward: 'raise', or 'drop' the sample (advantage 0) "
@@ -54,6 +74,9 @@ class RolloutConfig(ConfigBase):
             bad = [w for w in self.reward_weights if isinstance(w, bool) or not isinstance(w, (int, float))]
             if bad:
                 problems.append(f"{name}.reward_weights must hold numbers, got {self.reward_weights!r}")
+        placement = check_placement_format(self.device, self.num_agents, f"{name}.device")
+        if placement:
+            problems.append(placement)
         return problems
 
 

@@ -25,6 +25,7 @@ from comlrl.algorithms.advantages import gae, joint_index, normalize, tree_retur
 from comlrl.algorithms.losses import value_loss
 from comlrl.episodes import Rollout, rollout_episodes, score_rollout
 from comlrl.export import save_pretrained_models, save_value_head
+from comlrl.memory import enable_gradient_checkpointing
 from comlrl.policy import policy_gradient_backward
 from comlrl.rewards import JointReward
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
@@ -76,6 +77,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
             count = entities.resolve_num_agents(num_agents, config.num_agents, self.config_class.__name__)
             self.check_model_config_values(dict(model_config or {}))
             critic_sources = self.resolve_critic_sources(critic_model, critics, config, count)
+        self._critic_sources = critic_sources  # placed by check_before_loading, before the actors load
         super().__init__(
             agent_model=agent_model, agents=agents, num_agents=num_agents, tokenizer=tokenizer,
             reward_func=reward_func, args=config, model_config=model_config, **kwargs,
@@ -126,6 +128,10 @@ class ActorCriticTrainer(MultiAgentTrainer):
         """``[value_model][turn]``: what each critic reads for every episode of every turn."""
         raise NotImplementedError
 
+    def check_before_loading(self, sources: list[Any]) -> None:
+        super().check_before_loading(sources)
+        self.critic_devices = self.critic_placement(self._critic_sources)
+
     def check_model_config_values(self, model_config: dict[str, Any]) -> None:
         """Validate trainer-specific ``model_config`` values before anything is loaded."""
 
@@ -148,8 +154,17 @@ class ActorCriticTrainer(MultiAgentTrainer):
         # A model object also used as an actor must not become that actor's critic in place.
         sources = [copy.deepcopy(s) if any(s is agent for agent in self.agents) else s for s in sources]
         tokenizers = [self.tokenizers[self.critic_tokenizer_index(k)] for k in range(len(sources))]
-        loaded = entities.load_models(sources, tokenizers, self.device, self.dtype, "critic", self.args.trust_remote_code)
+        loaded = entities.load_models(sources, tokenizers, self.critic_devices, self.dtype, "critic", self.args.trust_remote_code)
+        if self.args.gradient_checkpointing:
+            enable_gradient_checkpointing(loaded.models)
+        self.data_parallel.broadcast_parameters(loaded.models)
         return loaded.models
+
+    def critic_placement(self, sources: list[Any]) -> list[torch.device]:
+        """Checked critic devices (before anything loads): ``critic_device``, or each critic beside its actor."""
+        if self.args.critic_device is None:
+            return [self.agent_devices[self.critic_tokenizer_index(k)] for k in range(len(sources))]
+        return self.resolve_devices(self.args.critic_device, sources, "critic_device")
 
     # ----- stages -------------------------------------------------------------------------------
     def rollout(self, rows: list[dict[str, Any]], row_labels: list[int] | None = None) -> Rollout:
@@ -310,7 +325,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
             raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
         count = min(num_samples or self.args.eval_num_samples, len(dataset))
         rows = [dataset[i] for i in range(count)]
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        devices = sorted({d.index or 0 for d in self.model_devices() if d.type == "cuda"})  # every GPU in use
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.args.seed + 1)
             rollout = self.rollout(rows, row_labels=list(range(count)))
@@ -341,7 +356,9 @@ class ActorCriticTrainer(MultiAgentTrainer):
     def save_model(self, output_dir: str | Path) -> Path:
         """Actors to ``agent_i/``, critics to their own directories, every value head as ``value_head.pt``."""
         output_dir = super().save_model(output_dir)
-        save_pretrained_models(self.critics, self.critic_tokenizers, [output_dir / name for name in self.critic_names()])
-        for name, model in zip(self.value_model_names(), self.value_models):
-            save_value_head(model.value_head, output_dir / name)
+        if self.data_parallel.is_main:
+            save_pretrained_models(self.critics, self.critic_tokenizers, [output_dir / name for name in self.critic_names()])
+            for name, model in zip(self.value_model_names(), self.value_models):
+                save_value_head(model.value_head, output_dir / name)
+        self.data_parallel.barrier()
         return output_dir

@@ -32,6 +32,9 @@ class ActorCriticConfig(RolloutConfig):
     )
     normalize_advantages: bool = option(False, "Standardise each agent's advantages over the batch (needs >= 2 samples).")
     entropy_coef: float = option(0.0, "Weight of the policy-entropy bonus in the actor loss (0 = off).", min=0.0)
+    critic_device: str | list | None = option(
+        None, "Placement of the separate critics: None (each next to the actor whose tokens it reads), 'auto', one "
+        "device for all, or a list with one device per critic.", kind=(str, list), optional=True)
 
     def validate(self) -> list[str]:
         problems = super().validate()

@@ -56,6 +56,8 @@ class MAACTrainer(ActorCriticTrainer):
                 actions = [turn.generations[a].texts[row] for a in range(self.num_agents)] if with_actions else None
                 texts.append(joint_text(prompts, actions))
             # An over-long joint input keeps its last tokens (with a warning) to fit the critic's context.
-            ids, mask = encode_prompts(self.tokenizers[0], texts, self.device, context_length(self.critics[0]))
+            ids, mask = encode_prompts(
+                self.tokenizers[0], texts, self.critic_devices[0], context_length(self.critics[0])
+            )
             inputs.append(CriticInput(ids, mask))
         return [inputs]

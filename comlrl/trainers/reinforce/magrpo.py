@@ -15,6 +15,7 @@ import torch
 
 from comlrl.algorithms.advantages import agent_advantages, group_relative_advantages, joint_index, tree_returns
 from comlrl.episodes import Rollout, rollout_episodes, score_rollout
+from comlrl.placement import devices_of, map_by_device
 from comlrl.policy import behaviour_logprobs, policy_gradient_backward
 from comlrl.trainers.base import MultiAgentTrainer, Stage
 from comlrl.trainers.reinforce.config import MAGRPOConfig
@@ -67,24 +68,40 @@ class MAGRPOTrainer(MultiAgentTrainer):
     def update(self, rollout: Rollout, advantages: list[list[torch.Tensor]]) -> dict[str, float]:
         """Stage 4: backpropagate each agent's loss; step the optimizers at accumulation boundaries."""
         metrics: dict[str, float] = {}
-        passes = self.args.policy_update_epochs
         accumulation = self.args.gradient_accumulation_steps
-        for agent_index, agent in enumerate(self.agents):
-            agent.train()
-            generations = [turn.generations[agent_index] for turn in rollout.turns]
-            old = behaviour_logprobs(agent, generations, self.args.temperature) if passes > 1 else None
-            for update_pass in range(passes):
-                loss = policy_gradient_backward(
-                    agent, generations, advantages[agent_index], self.args.clip_epsilon,
-                    self.args.temperature, old, scale=1.0 / accumulation,
-                )
-                if passes > 1 and update_pass < passes - 1:
-                    metrics[f"agent_{agent_index}/grad_norm"] = self.step_optimizers([self.optimizers[agent_index]], [agent])[0]
-            metrics[f"agent_{agent_index}/loss"] = loss
+
+        def update_agent(agent_index: int) -> dict[str, float]:
+            return self.update_agent(agent_index, rollout, advantages[agent_index])
+
+        # Agents on different GPUs backpropagate side by side; extra passes step (and all-reduce) in order.
+        if self.args.policy_update_epochs == 1:
+            per_agent = map_by_device(update_agent, devices_of(self.agents))
+        else:
+            per_agent = [update_agent(index) for index in range(self.num_agents)]
+        for agent_metrics in per_agent:
+            metrics.update(agent_metrics)
         if (self.state.global_step + 1) % accumulation == 0:
             norms = self.step_optimizers(self.optimizers, self.agents)
             self.state.optimizer_steps += 1
             metrics.update({f"agent_{i}/grad_norm": norm for i, norm in enumerate(norms)})
+        return metrics
+
+    def update_agent(self, agent_index: int, rollout: Rollout, advantages: list[torch.Tensor]) -> dict[str, float]:
+        """One agent's policy-gradient backward pass(es); with several passes, steps between them."""
+        metrics: dict[str, float] = {}
+        agent = self.agents[agent_index]
+        passes = self.args.policy_update_epochs
+        agent.train()
+        generations = [turn.generations[agent_index] for turn in rollout.turns]
+        old = behaviour_logprobs(agent, generations, self.args.temperature) if passes > 1 else None
+        for update_pass in range(passes):
+            loss = policy_gradient_backward(
+                agent, generations, advantages, self.args.clip_epsilon,
+                self.args.temperature, old, scale=1.0 / self.args.gradient_accumulation_steps,
+            )
+            if passes > 1 and update_pass < passes - 1:
+                metrics[f"agent_{agent_index}/grad_norm"] = self.step_optimizers([self.optimizers[agent_index]], [agent])[0]
+        metrics[f"agent_{agent_index}/loss"] = loss
         return metrics
 
     # rollout -> score -> advantages -> update: run by train_step, and one task each by the flows.
@@ -133,7 +150,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
             raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
         count = min(num_samples or self.args.eval_num_samples, len(dataset))
         rows = [dataset[i] for i in range(count)]
-        devices = [self.device.index] if self.device.type == "cuda" else []
+        devices = sorted({d.index or 0 for d in self.model_devices() if d.type == "cuda"})  # every GPU in use
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.args.seed + 1)
             rollout = self.rollout(rows, row_labels=list(range(count)))

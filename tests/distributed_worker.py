@@ -1,0 +1,105 @@
+"""One data-parallel MAGRPO run, launched by tests/test_distributed.py under ``torchrun``.
+
+Rollouts are made independent of how prompts are sharded: every prompt is sampled on its
+own, under a seed drawn from its text and the step (``PerPromptSeededMAGRPO``). A 1-process
+run over the global batch and an N-process run over its shards then see the same completions,
+so their gradients may differ only by float summation order.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py MODEL_DIR PROMPTS_JSON OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from comlrl.episodes import Rollout, Turn  # noqa: E402
+from comlrl.rollout import Generation  # noqa: E402
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
+
+
+def merge_generations(parts: list[Generation], pad_token_id: int) -> Generation:
+    """Stack per-prompt generations (equal prompt lengths); completions are right-padded."""
+    if len({g.prompt_ids.shape[1] for g in parts}) != 1:
+        raise ValueError("per-prompt generations must have equal prompt lengths to be stacked without re-padding")
+    width = max(g.completion_ids.shape[1] for g in parts)
+
+    def pad(tensor: torch.Tensor, value: int) -> torch.Tensor:
+        return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)
+
+    return Generation(
+        prompt_ids=torch.cat([g.prompt_ids for g in parts]),
+        prompt_mask=torch.cat([g.prompt_mask for g in parts]),
+        completion_ids=torch.cat([pad(g.completion_ids, pad_token_id) for g in parts]),
+        completion_mask=torch.cat([pad(g.completion_mask, 0) for g in parts]),
+        texts=[text for g in parts for text in g.texts],
+        num_generations=parts[0].num_generations,
+    )
+
+
+class PerPromptSeededMAGRPO(MAGRPOTrainer):
+    """MAGRPO whose (one-turn) rollout samples each prompt under its own seed."""
+
+    def rollout(self, rows, row_labels=None):
+        singles = []
+        for row in rows:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zlib.crc32(row["prompt"].encode()) + 7919 * self.state.global_step)
+                singles.append(super().rollout([row]))
+        turns = [single.turns[0] for single in singles]
+        generations = [
+            merge_generations([t.generations[a] for t in turns], self.tokenizers[a].pad_token_id)
+            for a in range(self.num_agents)
+        ]
+        turn = Turn(
+            node_rows=list(range(len(rows))),
+            prompts=[[p for t in turns for p in t.prompts[a]] for a in range(self.num_agents)],
+            generations=generations,
+            prompt_history=[h for t in turns for h in t.prompt_history],
+            response_history=[h for t in turns for h in t.response_history],
+        )
+        return Rollout(rows=list(rows), turns=[turn], joint_index=singles[0].joint_index)
+
+
+def letter_reward(completions_0, completions_1):
+    return [(a.count("e") + b.count("o")) / max(len(a) + len(b), 1) for a, b in zip(completions_0, completions_1)]
+
+
+def build(model_dir: str, prompts: list[str], per_device_batch: int, epochs: int) -> PerPromptSeededMAGRPO:
+    from datasets import Dataset
+
+    args = MAGRPOConfig(
+        num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, agent_learning_rate=1e-3,
+        max_grad_norm=None, per_device_train_batch_size=per_device_batch, num_train_epochs=epochs,
+        seed=11, device="cpu", disable_tqdm=True,
+    )
+    return PerPromptSeededMAGRPO(
+        agent_model=model_dir, num_agents=2, reward_func=letter_reward,
+        train_dataset=Dataset.from_dict({"prompt": prompts}), args=args,
+    )
+
+
+def main(model_dir: str, prompts_file: str, out_dir: str) -> None:
+    prompts = json.loads(Path(prompts_file).read_text())
+    trainer = build(model_dir, prompts, per_device_batch=len(prompts) // 2, epochs=1)
+    assert trainer.data_parallel.world_size == 2, trainer.data_parallel
+    history = trainer.train(checkpoint_dir=Path(out_dir) / "checkpoints")
+    out = Path(out_dir)
+    if trainer.data_parallel.is_main:
+        torch.save([agent.state_dict() for agent in trainer.agents], out / "weights.pt")
+        (out / "history.json").write_text(json.dumps(history))
+    # Every rank reports the prompts it rolled out, to check the sharding.
+    shard = trainer.epoch_batches(0)[0]
+    (out / f"shard_{trainer.data_parallel.rank}.json").write_text(json.dumps(shard))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
