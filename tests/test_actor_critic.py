@@ -2,7 +2,6 @@
 entity rule, learning, save/continue with value heads, and bit-exact resume."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """MAGRPOTrainer end to end on tiny local models."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -173,8 +172,6 @@ def test_cross_mode_scores_every_combination(tiny_llama, train_dataset):
 
 
 def test_formatters_and_missing_fields(tiny_llama, train_dataset):
-    seen = []
-
     def reward(c0, c1):
         return [0.0] * len(c0)
 

@@ -3,7 +3,6 @@
 import logging
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys

@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from comlrl import entities
+from comlrl.algorithms.advantages import tree_returns
 from comlrl.callbacks import TrainerCallback, dispatch
 from comlrl.data import batches, check_dataset, epoch_order, format_prompt, resolve_formatters
 from comlrl import distributed, lora
@@ -359,8 +360,39 @@ class MultiAgentTrainer:
             metrics = self.evaluate()
             dispatch(self.callbacks, "on_log", self, metrics, self.state.global_step)
 
-    def evaluate(self) -> dict[str, float]:
-        raise NotImplementedError
+    def rollout_metrics(self, rollout: Any, rewards: list[torch.Tensor]) -> dict[str, float]:
+        """Reward and completion-length metrics of a rollout (dropped, NaN rewards left out)."""
+        first = rewards[0]
+        kept = first[~torch.isnan(first)]
+        metrics = {"reward_mean": float(kept.mean()), "reward_std": float(kept.std(unbiased=False))}
+        if len(rewards) > 1:
+            for turn, turn_rewards in enumerate(rewards):
+                metrics[f"turn_{turn}/reward_mean"] = float(turn_rewards.nanmean())
+            metrics["return_mean"] = float(tree_returns(rewards, self.args.discount)[0].nanmean())
+        for agent in range(self.num_agents):
+            lengths = torch.cat([turn.generations[agent].lengths().float() for turn in rollout.turns])
+            metrics[f"agent_{agent}/completion_length"] = float(lengths.mean())
+        return metrics
+
+    def evaluate(self, dataset: Any = None, num_samples: int | None = None) -> dict[str, float]:
+        """Mean joint reward on the first ``eval_num_samples`` rows of ``eval_dataset``.
+
+        Runs the trainer's ``rollout`` and ``score`` stages under a fixed seed inside a forked
+        RNG (every GPU in use included), so evaluating never changes training.
+        """
+        dataset = dataset if dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
+        count = min(num_samples or self.args.eval_num_samples, len(dataset))
+        rows = [dataset[i] for i in range(count)]
+        devices = sorted({d.index or 0 for d in self.model_devices() if d.type == "cuda"})
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.args.seed + 1)
+            rollout = self.rollout(rows, row_labels=list(range(count)))
+            rewards = self.score(rollout)
+        metrics = self.rollout_metrics(rollout, rewards)
+        metrics.update(self.reward.drain_monitor_metrics())
+        return {f"eval/{name}": value for name, value in metrics.items()}
 
     def step_optimizers(self, optimizers: list[torch.optim.Optimizer], models: list[torch.nn.Module]) -> list[float]:
         """Average over processes, clip, step and zero; returns each model's gradient norm before clipping."""

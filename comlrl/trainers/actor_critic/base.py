@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from comlrl import entities
-from comlrl.algorithms.advantages import gae, joint_index, normalize, tree_returns
+from comlrl.algorithms.advantages import gae, joint_index, normalize
 from comlrl.algorithms.losses import value_loss
 from comlrl.episodes import Rollout, rollout_episodes, score_rollout
 from comlrl.export import save_pretrained_models, save_value_head
@@ -297,19 +297,6 @@ class ActorCriticTrainer(MultiAgentTrainer):
         return metrics
 
     # ----- metrics and evaluation ---------------------------------------------------------------
-    def rollout_metrics(self, rollout: Rollout, rewards: list[torch.Tensor]) -> dict[str, float]:
-        first = rewards[0]
-        kept = first[~torch.isnan(first)]
-        metrics = {"reward_mean": float(kept.mean()), "reward_std": float(kept.std(unbiased=False))}
-        if len(rewards) > 1:
-            for turn, turn_rewards in enumerate(rewards):
-                metrics[f"turn_{turn}/reward_mean"] = float(turn_rewards.nanmean())
-            metrics["return_mean"] = float(tree_returns(rewards, self.args.discount)[0].mean())
-        for agent in range(self.num_agents):
-            lengths = torch.cat([turn.generations[agent].lengths().float() for turn in rollout.turns])
-            metrics[f"agent_{agent}/completion_length"] = float(lengths.mean())
-        return metrics
-
     def critic_metrics(self, values: list[torch.Tensor], estimates: Estimates) -> dict[str, float]:
         """Per value model: mean value, and mean absolute error to its target (how well it predicts)."""
         metrics = {}
@@ -317,20 +304,6 @@ class ActorCriticTrainer(MultiAgentTrainer):
             metrics[f"{name}/value_mean"] = float(model_values.mean())
             metrics[f"{name}/value_error"] = float((returns - model_values).abs().nanmean())
         return metrics
-
-    def evaluate(self, dataset: Any = None, num_samples: int | None = None) -> dict[str, float]:
-        """Mean joint reward on the first ``eval_num_samples`` rows, under a forked RNG (training is unaffected)."""
-        dataset = dataset if dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
-        count = min(num_samples or self.args.eval_num_samples, len(dataset))
-        rows = [dataset[i] for i in range(count)]
-        devices = sorted({d.index or 0 for d in self.model_devices() if d.type == "cuda"})  # every GPU in use
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.args.seed + 1)
-            rollout = self.rollout(rows, row_labels=list(range(count)))
-            rewards = self.score(rollout)
-        return {f"eval/{name}": value for name, value in self.rollout_metrics(rollout, rewards).items()}
 
     # ----- checkpoints and export ---------------------------------------------------------------
     def checkpoint_modules(self) -> dict[str, torch.nn.Module]:

@@ -123,38 +123,3 @@ class MAGRPOTrainer(MultiAgentTrainer):
             tokens_per_second=rollout.generated_tokens() / max(step_time, 1e-9),
         )
         return metrics
-
-    def rollout_metrics(self, rollout: Rollout, rewards: list[torch.Tensor]) -> dict[str, float]:
-        first = rewards[0]
-        metrics = {
-            "reward_mean": float(first.mean()),
-            "reward_std": float(first.std(unbiased=False)),
-        }
-        if len(rewards) > 1:
-            for turn, turn_rewards in enumerate(rewards):
-                metrics[f"turn_{turn}/reward_mean"] = float(turn_rewards.mean())
-            metrics["return_mean"] = float(tree_returns(rewards, self.args.discount)[0].mean())
-        for agent in range(self.num_agents):
-            lengths = torch.cat([turn.generations[agent].lengths().float() for turn in rollout.turns])
-            metrics[f"agent_{agent}/completion_length"] = float(lengths.mean())
-        return metrics
-
-    # ----- evaluation -------------------------------------------------------------------------
-    def evaluate(self, dataset: Any = None, num_samples: int | None = None) -> dict[str, float]:
-        """Mean joint reward on the first ``eval_num_samples`` rows of ``eval_dataset``.
-
-        Runs under its own fixed seed inside a forked RNG, so evaluating never changes training.
-        """
-        dataset = dataset if dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
-        count = min(num_samples or self.args.eval_num_samples, len(dataset))
-        rows = [dataset[i] for i in range(count)]
-        devices = sorted({d.index or 0 for d in self.model_devices() if d.type == "cuda"})  # every GPU in use
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.args.seed + 1)
-            rollout = self.rollout(rows, row_labels=list(range(count)))
-            rewards = self.score(rollout)
-        metrics = self.rollout_metrics(rollout, rewards)
-        metrics.update(self.reward.drain_monitor_metrics())
-        return {f"eval/{name}": value for name, value in metrics.items()}
