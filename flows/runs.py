@@ -48,6 +48,9 @@ def configure_embedded_default(workdir: str | Path) -> dict[str, str]:
         "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "GIT_PYTHON_REFRESH": "quiet",
+        # One "Finished in state Completed()" line per task drowns the per-boundary summaries
+        # on a console; the task-run states stay in Prefect's records and UI.
+        "PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL": "WARNING",
     }
     applied = {}
     for key, value in defaults.items():
