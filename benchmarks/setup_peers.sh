@@ -13,7 +13,9 @@ torch_version="${TORCH_VERSION:-2.13.0}"
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 # torch first, pinned, so the resolver keeps the local CPU build instead of pulling CUDA wheels.
 "$venv/bin/pip" install -q "torch==$torch_version"
-"$venv/bin/pip" install -q "comlrl==$reference_version" "trl==$trl_version" psutil
+# scipy too: the project's .venv has it (via mlflow), and transformers imports it whenever it is
+# installed (~40 MiB resident), so without it the peers would look lighter for a reason outside the code.
+"$venv/bin/pip" install -q "comlrl==$reference_version" "trl==$trl_version" psutil scipy
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md
 for name in ("torch", "transformers", "comlrl", "trl"):

@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
-from transformers import get_scheduler
 
 from comlrl import entities
 from comlrl.algorithms.advantages import tree_returns
@@ -205,6 +204,10 @@ class MultiAgentTrainer:
         optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=self.args.weight_decay)
         if not hasattr(self, "_schedulers"):
             self._schedulers: dict[int, Any] = {}
+        if self.args.lr_scheduler_type == "constant":
+            return optimizer  # nothing to schedule (and transformers' optimisation module, which pulls peft, stays unimported)
+        from transformers import get_scheduler
+
         self._schedulers[id(optimizer)] = get_scheduler(
             self.args.lr_scheduler_type,
             optimizer,
