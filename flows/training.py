@@ -93,6 +93,40 @@ def summary(session: Session, boundary: int, total: int) -> str:
     return f"boundary {boundary}/{total} done: steps {session.trainer.state.global_step}, reward_mean {mean:.3f}"
 
 
+def mark_failed(identity: dict[str, Any]) -> None:
+    """Mark the MLflow run FAILED (a resume sets it RUNNING again); never masks the real error."""
+    try:
+        tracking.finish_run(identity, status="FAILED")
+    except Exception as error:  # the tracking server may be the thing that failed
+        get_run_logger().warning("could not mark the MLflow run FAILED: %s", error)
+
+
+def run_boundaries(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, total: int) -> tuple[Session | None, str | None]:
+    """Every boundary not yet committed, each in its transaction; returns the session (None when
+    nothing had to run) and the last checkpoint."""
+    logger = get_run_logger()
+    session: Session | None = None
+    checkpoint: str | None = None
+    try:
+        for boundary in range(1, total + 1):
+            with transaction(key=boundary_key(run.run_id, boundary)) as txn:
+                if txn.is_committed():
+                    checkpoint = txn.read().result
+                    logger.info("boundary %d/%d already completed: %s", boundary, total, checkpoint)
+                    continue
+                if session is None:
+                    session = start(spec, run, checkpoint, root, tracking_uri)
+                run_boundary(session, spec, boundary)
+                checkpoint = tasks.save_checkpoint(quote(session.runner))
+                txn.stage(checkpoint)
+                logger.info(summary(session, boundary, total))
+    except Exception:
+        if session is not None:  # a resume sets the MLflow run RUNNING again
+            mark_failed(session.identity)
+        raise
+    return session, checkpoint
+
+
 @flow(name="comlrl-train", log_prints=True)
 def train_flow(
     spec_path: str,
@@ -108,7 +142,6 @@ def train_flow(
     resumes after its last completed boundary. ``init_from_alias`` (e.g. ``champion``) starts
     the agents from the registry's current holder of that alias when it exists.
     """
-    logger = get_run_logger()
     root = str(Path(root or os.getcwd()).resolve())
     tracking_uri = tracking_uri or default_tracking_uri(workdir)
     spec = tasks.validate_spec(spec_path, root)
@@ -116,20 +149,7 @@ def train_flow(
         spec = tasks.use_registered_agents(spec, tracking_uri, init_from_alias)
     run = prepare_run(spec, spec_path, run_id, workdir, root)
     total = total_boundaries(spec)
-    session: Session | None = None
-    checkpoint: str | None = None
-    for boundary in range(1, total + 1):
-        with transaction(key=boundary_key(run.run_id, boundary)) as txn:
-            if txn.is_committed():
-                checkpoint = txn.read().result
-                logger.info("boundary %d/%d already completed: %s", boundary, total, checkpoint)
-                continue
-            if session is None:
-                session = start(spec, run, checkpoint, root, tracking_uri)
-            run_boundary(session, spec, boundary)
-            checkpoint = tasks.save_checkpoint(quote(session.runner))
-            txn.stage(checkpoint)
-            logger.info(summary(session, boundary, total))
+    session, checkpoint = run_boundaries(spec, run, root, tracking_uri, total)
     if session is None:  # every boundary was committed: restore the final state to register it
         session = start(spec, run, checkpoint, root, tracking_uri)
     tasks.end_training(quote(session.trainer), quote(session.runner))

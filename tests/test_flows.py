@@ -179,9 +179,23 @@ def resumed(pipeline, reference_weights):
     arguments = dict(spec_path=str(pipeline["root"] / "spec.yaml"), run_id="fault-run", workdir=str(pipeline["workdir"]),
                      root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"])
     failed = train_flow(**arguments, return_state=True)
+    status_after_failure = mlflow_status_of(pipeline["tracking_uri"], "fault-run")
     completed = train_flow(**arguments, return_state=True)
     monkeypatch.undo()
-    return {"failed": failed, "completed": completed, "result": completed.result()}
+    return {"failed": failed, "completed": completed, "result": completed.result(),
+            "status_after_failure": status_after_failure}
+
+
+def mlflow_status_of(tracking_uri: str, run_key: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    from comlrl.tracking import RUN_KEY_TAG
+
+    client = MlflowClient(tracking_uri)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'")
+    assert len(runs) == 1, runs
+    return runs[0].info.status
 
 
 def test_a_failed_flow_run_resumes_after_the_last_completed_boundary(resumed):
@@ -226,6 +240,7 @@ def test_the_resumed_flow_logs_into_the_same_mlflow_run(resumed, pipeline):
     assert identity["run_id"] == result["mlflow_run_id"]
     client = MlflowClient(pipeline["tracking_uri"])
     run = client.get_run(result["mlflow_run_id"])
+    assert resumed["status_after_failure"] == "FAILED"  # the failed flow run marked it; the resume reopened it
     assert run.info.status == "FINISHED"
     assert run.data.params["spec.algorithm"] == "magrpo"
     steps = {m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")}
