@@ -3,6 +3,7 @@
 Layout of ``checkpoint-N`` (N = completed boundaries)::
 
     metadata.json          progress, resolved config, model fingerprints, run identities
+    history.json           the per-step metrics so far
     models/<name>.safetensors
     optimizers/<name>.pt   optimizer state dicts (and <name>.scheduler.pt: LR schedules)
     rng.pt                 python, numpy, torch and CUDA generator states
@@ -31,6 +32,7 @@ from safetensors.torch import load_model, save_model
 CHECKPOINT_PREFIX = "checkpoint-"
 COMPLETE_MARKER = "COMPLETE"
 METADATA_FILE = "metadata.json"
+HISTORY_FILE = "history.json"
 
 
 _NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)(?:-step(\d+))?$")
@@ -101,6 +103,7 @@ def write_checkpoint(
     stateful: dict[str, Any] | None = None,
     write_extra: Callable[[Path], None] | None = None,
     schedulers: dict[str, Any] | None = None,
+    history: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Write the checkpoint directory ``name`` atomically and return its path."""
     root = Path(checkpoint_dir)
@@ -122,6 +125,7 @@ def write_checkpoint(
         if write_extra is not None:
             (staging / "extra").mkdir()
             write_extra(staging / "extra")
+        (staging / HISTORY_FILE).write_text(json.dumps(history or []))
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         (staging / COMPLETE_MARKER).write_text("ok\n")
         _fsync_dir(staging)

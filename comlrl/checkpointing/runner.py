@@ -93,7 +93,7 @@ class CheckpointRunner:
         io.load_modules(self.resume_path, trainer.checkpoint_modules())
         io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers(), self._schedulers())
         state = dict(metadata["state"])
-        state["history"] = json.loads((self.resume_path / "history.json").read_text())
+        state["history"] = json.loads((self.resume_path / io.HISTORY_FILE).read_text())
         trainer.state = type(trainer.state)(**state)
         stateful_file = self.resume_path / "stateful.pt"
         if stateful_file.is_file():
@@ -195,11 +195,6 @@ class CheckpointRunner:
         }
         stateful = {name: obj.state_dict() for name, obj in _stateful_objects(trainer).items()}
 
-        def write_extra(directory: Path) -> None:
-            (directory.parent / "history.json").write_text(json.dumps(history))
-            if hasattr(trainer, "save_extra"):
-                trainer.save_extra(directory)
-
         path = io.write_checkpoint(
             self.checkpoint_dir,
             name,
@@ -208,8 +203,9 @@ class CheckpointRunner:
             capture_rng_state(),
             metadata,
             stateful=stateful,
-            write_extra=write_extra,
+            write_extra=getattr(trainer, "save_extra", None),
             schedulers=self._schedulers(),
+            history=history,
         )
         self.last_saved = trainer.state.boundaries
         if self.save_total_limit is not None:
