@@ -146,7 +146,7 @@ class MultiAgentTrainer:
         concurrent = runs_concurrently(self.agent_devices)
         self.tokenizers = private_tokenizers(loaded.tokenizers) if concurrent else loaded.tokenizers
         self.agent_sources = loaded.sources
-        self.optimizers = [self._make_optimizer(agent.parameters(), self.args.agent_learning_rate) for agent in self.agents]
+        self.optimizers = self.build_agent_optimizers()
         self.state = self.new_state()
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
 
@@ -198,6 +198,9 @@ class MultiAgentTrainer:
 
     def allowed_model_config_keys(self) -> set[str]:
         return set(MODEL_CONFIG_KEYS)
+
+    def build_agent_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self._make_optimizer(agent.parameters(), self.args.agent_learning_rate) for agent in self.agents]
 
     def _make_optimizer(self, parameters: Any, learning_rate: float) -> torch.optim.Optimizer:
         """AdamW with the configured learning-rate schedule attached (see :meth:`scheduler_for`)."""

@@ -77,6 +77,9 @@ class MARLHFTrainer(MultiAgentTrainer):
             )
         self.reward_model_source = source
 
+    def build_agent_optimizers(self) -> list[torch.optim.Optimizer]:
+        return []  # the policy trainer owns the agents' optimizers
+
     def new_state(self) -> PbRLState:
         return PbRLState()
 
