@@ -2,7 +2,8 @@
 
 An episode starts from one dataset row per node. At each turn every agent samples
 ``num_generations`` completions for every node (one batched ``generate`` per agent and
-turn); joint samples combine them (:func:`comlrl.algorithms.advantages.joint_index`). With
+turn, each from its own seeded ``torch.Generator``, so agents may sample side by side
+(``agent_map``) and still reproducibly); joint samples combine them (:func:`comlrl.algorithms.advantages.joint_index`). With
 more turns, each joint sample ``j`` of node ``n`` spawns node ``n * num_joint + j``, whose
 prompts come from the ``external_transition``. With ``num_generations=1`` this is a chain,
 which is what the actor-critic trainers use.
@@ -17,7 +18,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from comlrl.data import Formatter, format_prompt
-from comlrl.placement import devices_of, map_by_device
+from comlrl.placement import AgentMap, devices_of, map_by_device, model_device
 from comlrl.rewards import JointReward
 from comlrl.rollout import Generation, SamplingParams, generate_completions
 
@@ -77,14 +78,17 @@ def _generate_turn(
     sampling: SamplingParams,
     max_prompt_length: int | None,
     prompt_overflow: str = "truncate",
+    agent_map: AgentMap = map_by_device,
 ) -> list[Generation]:
-    # Agents on different GPUs generate side by side (see comlrl.placement); otherwise in order.
-    return map_by_device(
-        lambda a: generate_completions(
-            agents[a], tokenizers[a], prompts[a], num_generations, sampling, max_prompt_length, prompt_overflow
-        ),
-        devices_of(agents),
-    )
+    # Each agent's seed is drawn here, from the global RNG, whatever order agent_map runs them in.
+    seeds = torch.randint(2**62, (len(agents),)).tolist()
+
+    def generate(agent: int) -> Generation:
+        generator = torch.Generator(device=model_device(agents[agent])).manual_seed(seeds[agent])
+        return generate_completions(agents[agent], tokenizers[agent], prompts[agent], num_generations, sampling,
+                                    max_prompt_length, prompt_overflow, generator)
+
+    return agent_map(generate, devices_of(agents))
 
 
 def _next_prompts(
@@ -136,8 +140,9 @@ def rollout_episodes(
     max_prompt_length: int | None = None,
     row_labels: Sequence[int | str] | None = None,
     prompt_overflow: str = "truncate",
+    agent_map: AgentMap = map_by_device,
 ) -> Rollout:
-    """Generate every turn of the episodes that start from ``rows``."""
+    """Generate every turn of the episodes that start from ``rows``; ``agent_map`` spreads the agents' generation."""
     num_agents = len(agents)
     labels = list(row_labels) if row_labels is not None else list(range(len(rows)))
     prompts = [[format_prompt(formatters[a], row, a, labels[r]) for r, row in enumerate(rows)] for a in range(num_agents)]
@@ -147,7 +152,7 @@ def rollout_episodes(
     rollout = Rollout(rows=rows, turns=[], joint_index=joint_index)
     for turn_number in range(num_turns):
         generations = _generate_turn(
-            agents, tokenizers, prompts, num_generations, sampling, max_prompt_length, prompt_overflow
+            agents, tokenizers, prompts, num_generations, sampling, max_prompt_length, prompt_overflow, agent_map
         )
         turn = Turn(node_rows, prompts, generations, prompt_history, response_history)
         rollout.turns.append(turn)

@@ -107,6 +107,12 @@ def runs_concurrently(devices: Sequence[torch.device]) -> bool:
     return len({d for d in devices if d.type == "cuda"}) >= 2
 
 
+# How per-agent work is spread: ``agent_map(function, devices) -> [function(i) for each agent]``.
+# Trainers hold one (``trainer.agent_map``, default :func:`map_by_device`); the pipeline can
+# install one that runs each agent's work as a task of a distributed task runner.
+AgentMap = Callable[[Callable[[int], Any], Sequence[torch.device]], list[Any]]
+
+
 def map_by_device(function: Callable[[int], T], devices: Sequence[torch.device]) -> list[T]:
     """``[function(i) for i in range(len(devices))]``; models on different GPUs run in parallel threads.
 

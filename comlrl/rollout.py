@@ -1,8 +1,9 @@
 """Generation: batched sampling of completions from one agent.
 
-All ``num_generations`` samples of every prompt come from one ``generate`` call with left
-padding and the KV cache; completions are returned as padded tensors plus a mask that
-keeps tokens up to and including the first EOS.
+All ``num_generations`` samples of every prompt are decoded together, with left padding and
+the KV cache, by :func:`comlrl.sampling.decode` (or, with ``backend="transformers"``, one
+``model.generate`` call); completions are returned as padded tensors plus a mask that keeps
+tokens up to and including the first EOS.
 """
 
 from __future__ import annotations
@@ -13,16 +14,9 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from comlrl.sampling import SamplingParams, decode
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    max_new_tokens: int = 32
-    do_sample: bool = True
 
 
 @dataclass
@@ -118,6 +112,27 @@ def _generation_config(tokenizer: PreTrainedTokenizerBase, sampling: SamplingPar
     return GenerationConfig(**settings)
 
 
+def eos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    eos = tokenizer.eos_token_id
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+
+def _generate_with_transformers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor,
+                                prompt_mask: torch.Tensor, num_generations: int, sampling: SamplingParams,
+                                generator: torch.Generator | None) -> torch.Tensor:
+    """``model.generate``; with a generator, its global-RNG draws come from a seed taken from it."""
+    config = _generation_config(tokenizer, sampling, num_generations)
+    if generator is None:
+        output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    else:
+        seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+        devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    return output[:, prompt_ids.shape[1]:]
+
+
 @torch.no_grad()  # not inference_mode: the IDs are reused in the autograd forward of the update
 def generate_completions(
     model: PreTrainedModel,
@@ -127,17 +142,25 @@ def generate_completions(
     sampling: SamplingParams,
     max_prompt_length: int | None = None,
     prompt_overflow: str = "truncate",
+    generator: torch.Generator | None = None,
 ) -> Generation:
-    """Sample ``num_generations`` completions for each prompt in one batched ``generate`` call."""
+    """Sample ``num_generations`` completions for each prompt, all rows decoded together.
+
+    ``generator`` (on the model's device) makes the draws independent of the global RNG, so
+    agents can sample concurrently and still reproducibly.
+    """
     device = next(model.parameters()).device
     limit = prompt_token_limit(model, sampling.max_new_tokens, max_prompt_length)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, limit, prompt_overflow)
-    output = model.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        generation_config=_generation_config(tokenizer, sampling, num_generations),
-    )
-    completion_ids = output[:, prompt_ids.shape[1]:]
+    if sampling.backend == "transformers":
+        completion_ids = _generate_with_transformers(
+            model, tokenizer, prompt_ids, prompt_mask, num_generations, sampling, generator)
+    else:
+        completion_ids = decode(
+            model, prompt_ids.repeat_interleave(num_generations, dim=0),
+            prompt_mask.repeat_interleave(num_generations, dim=0), sampling, eos_ids(tokenizer),
+            tokenizer.pad_token_id, generator,
+        )
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)
     completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tokenizer.pad_token_id))
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

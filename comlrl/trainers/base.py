@@ -23,7 +23,8 @@ from comlrl.callbacks import TrainerCallback, dispatch
 from comlrl.data import batches, check_dataset, epoch_order, format_prompt, resolve_formatters
 from comlrl import distributed, lora
 from comlrl.memory import device_memory_metrics, enable_gradient_checkpointing, resolve_precision
-from comlrl.placement import devices_of, local_gpus, private_tokenizers, resolve_placement, runs_concurrently
+from comlrl.placement import (AgentMap, devices_of, local_gpus, map_by_device, private_tokenizers, resolve_placement,
+                              runs_concurrently)
 from comlrl.errors import NonFiniteTrainingError, TrainingInterrupted, TrainingStopped
 from comlrl.export import save_pretrained_models
 from comlrl.metrics import MetricWindow
@@ -146,6 +147,8 @@ class MultiAgentTrainer:
         concurrent = runs_concurrently(self.agent_devices)
         self.tokenizers = private_tokenizers(loaded.tokenizers) if concurrent else loaded.tokenizers
         self.agent_sources = loaded.sources
+        # Per-agent generation and backward passes go through this (see comlrl.placement.AgentMap).
+        self.agent_map: AgentMap = map_by_device
         self.optimizers = self.build_agent_optimizers()
         self.state = self.new_state()
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
@@ -232,6 +235,7 @@ class MultiAgentTrainer:
             top_p=self.args.top_p,
             top_k=self.args.top_k,
             max_new_tokens=self.args.max_new_tokens,
+            backend=self.args.generation_backend,
         )
 
     # ----- the loop ---------------------------------------------------------------------------

@@ -19,6 +19,10 @@ class RolloutConfig(ConfigBase):
     top_p: float = option(1.0, "Nucleus-sampling probability mass (1.0 = off).", min=0.0, max=1.0, min_exclusive=True)
     top_k: int | None = option(None, "Top-k sampling cut-off (None = off).", min=1, kind=int, optional=True)
     max_new_tokens: int = option(32, "Maximum tokens generated per completion.", min=1)
+    generation_backend: str = option(
+        "comlrl", "How completions are decoded: 'comlrl' (comlrl.sampling.decode: the sampling loop of generate without "
+        "its per-token machinery, same tokens for the same RNG state) or 'transformers' (model.generate, for models "
+        "with a generate of their own).", choices=("comlrl", "transformers"))
     max_prompt_length: int | None = option(
         None, "Keep only the last N prompt tokens (None = no truncation).", min=1, kind=int, optional=True
     )

@@ -174,7 +174,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
         return rollout_episodes(
             self.agents, self.tokenizers, self.formatters, rows, self.joint_index, self.args.num_generations,
             self.args.num_turns, self.sampling, self.external_transition, self.args.external_prompt_passthrough,
-            self.args.max_prompt_length, row_labels, prompt_overflow=self.args.prompt_overflow,
+            self.args.max_prompt_length, row_labels, prompt_overflow=self.args.prompt_overflow, agent_map=self.agent_map,
         )
 
     def score(self, rollout: Rollout, reward: JointReward | Callable | None = None) -> list[torch.Tensor]:

@@ -131,6 +131,7 @@ class MARLHFTrainer(MultiAgentTrainer):
             rollout = rollout_episodes(
                 self.agents, self.tokenizers, self.formatters, rows, index, samples, 1,
                 self.sampling, max_prompt_length=self.args.max_prompt_length, row_labels=indices,
+                agent_map=self.agent_map,
             )
             rewards = score_rollout(rollout, self.reward)[0]
             rewards_seen.append(rewards.reshape(-1))
@@ -317,7 +318,8 @@ class MARLHFTrainer(MultiAgentTrainer):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.args.seed + 1)
             rollout = rollout_episodes(self.agents, self.tokenizers, self.formatters, rows, index,
-                                       self.args.num_generations, 1, self.sampling, row_labels=list(range(count)))
+                                       self.args.num_generations, 1, self.sampling, row_labels=list(range(count)),
+                                       agent_map=self.agent_map)
             task = score_rollout(rollout, self.reward)[0]
             metrics = {"eval/task_reward_mean": float(task.mean())}
             if self.reward_model is not None:

@@ -15,7 +15,7 @@ import torch
 
 from comlrl.algorithms.advantages import agent_advantages, group_relative_advantages, joint_index, tree_returns
 from comlrl.episodes import Rollout, rollout_episodes, score_rollout
-from comlrl.placement import devices_of, map_by_device
+from comlrl.placement import devices_of
 from comlrl.policy import behaviour_logprobs, policy_gradient_backward
 from comlrl.trainers.base import MultiAgentTrainer, Stage
 from comlrl.trainers.reinforce.config import MAGRPOConfig
@@ -48,6 +48,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
             self.args.max_prompt_length,
             row_labels,
             self.args.prompt_overflow,
+            self.agent_map,
         )
 
     def score(self, rollout: Rollout) -> list[torch.Tensor]:
@@ -75,7 +76,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
 
         # Agents on different GPUs backpropagate side by side; extra passes step (and all-reduce) in order.
         if self.args.policy_update_epochs == 1:
-            per_agent = map_by_device(update_agent, devices_of(self.agents))
+            per_agent = self.agent_map(update_agent, devices_of(self.agents))
         else:
             per_agent = [update_agent(index) for index in range(self.num_agents)]
         for agent_metrics in per_agent:

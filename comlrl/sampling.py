@@ -1,0 +1,131 @@
+"""Token sampling: logit warpers as pure functions and the decode loop built on them.
+
+The loop is the one ``transformers`` ``generate`` runs for plain sampling (prefill, then one
+token per step through the KV cache, finished rows padded, stop when every row has ended),
+without its per-token machinery (logits-processor lists, stopping-criteria objects, input
+preparation): on small models that machinery is a large share of each decode step. Given the
+same RNG state it draws exactly the tokens ``generate`` draws (tests/test_sampling.py), and it
+takes an explicit ``torch.Generator``, so agents sampling side by side stay reproducible.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    max_new_tokens: int = 32
+    do_sample: bool = True
+    backend: str = "comlrl"  # "comlrl": decode() below; "transformers": model.generate
+
+
+def temperature_scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int | None) -> torch.Tensor:
+    """Logits outside the ``top_k`` largest of each row set to -inf (ties at the cut-off kept)."""
+    if not top_k or top_k >= logits.shape[-1]:
+        return logits
+    kth_largest = torch.topk(logits, top_k).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter: keep the smallest set of tokens whose probability reaches ``top_p``.
+
+    Works in ascending order as transformers does: a token is dropped when the mass of the
+    tokens below it (itself included) is at most ``1 - top_p``; the likeliest token always stays.
+    """
+    if top_p >= 1.0:
+        return logits
+    ascending, order = torch.sort(logits, descending=False)
+    mass_below = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = mass_below <= 1 - top_p
+    drop_sorted[..., -1:] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def warp_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (the order transformers applies them in)."""
+    return top_p_filter(top_k_filter(temperature_scale(logits, sampling.temperature), sampling.top_k), sampling.top_p)
+
+
+def next_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from last-position logits ``[rows, vocab]``: sampled, or greedy."""
+    if not sampling.do_sample:
+        return logits.argmax(dim=-1)
+    probabilities = warp_logits(logits, sampling).softmax(dim=-1)
+    return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(1)
+
+
+def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position IDs of left-padded prompts: 0 at each row's first real token (padding gets 1, as in generate)."""
+    positions = attention_mask.long().cumsum(dim=-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
+@lru_cache(maxsize=None)
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def _forward(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
+             cache: DynamicCache) -> torch.Tensor:
+    # A peft wrapper forwards **kwargs; what the model accepts is its base model's signature.
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    accepted = _forward_parameters(type(base))
+    extra = {"position_ids": positions} if "position_ids" in accepted else {}
+    extra["cache" if "cache" in accepted else "past_key_values"] = cache  # renamed in transformers 5.x
+    output = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **extra)
+    return output.logits[:, -1, :].float()
+
+
+@torch.no_grad()
+def decode(
+    model: PreTrainedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    sampling: SamplingParams,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Completion IDs ``[rows, steps]`` for left-padded prompts; rows that ended are padded.
+
+    ``steps`` is ``max_new_tokens`` unless every row emitted an EOS earlier.
+    """
+    rows, prompt_length = prompt_ids.shape
+    device = prompt_ids.device
+    # Without padding the causal mask is all the attention needs, and building a padding mask
+    # every step is a tenth of a small model's decode step: pass none, as generate ends up doing.
+    padded = not bool(prompt_mask.all())
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, sampling.max_new_tokens)], dim=1) if padded else None
+    cache = DynamicCache(config=model.config)
+    positions = prompt_positions(prompt_mask)
+    logits = _forward(model, prompt_ids, prompt_mask if padded else None, positions, cache)
+    position = positions[:, -1:]
+    eos = torch.tensor(eos_token_ids, device=device)
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    tokens = []
+    for step in range(sampling.max_new_tokens):
+        token = next_tokens(logits, sampling, generator)
+        token = token.masked_fill(finished, pad_token_id)
+        tokens.append(token)
+        finished |= torch.isin(token, eos)
+        if step == sampling.max_new_tokens - 1 or bool(finished.all()):
+            break
+        position = position + 1
+        step_mask = mask[:, :prompt_length + step + 1] if padded else None
+        logits = _forward(model, token[:, None], step_mask, position, cache)
+    return torch.stack(tokens, dim=1)
