@@ -3,7 +3,10 @@
 Each run is its own process: this library with the project's .venv, the peers with
 benchmarks/.venv-peers (``bash benchmarks/setup_peers.sh``), since the reference also imports
 as ``comlrl``. Runs alternate (ours, theirs, then theirs, ours, ...) for ``--repeats`` rounds;
-the table gives the median over repeats of each run's median step.
+the table gives the median over repeats of each run's median step. With ``--before`` the
+reference comparison also runs this library with ``generation_backend="transformers"``
+(``model.generate``, what the library did before its own decode loop) in the same rotation,
+and prints that before/after table too.
 
     .venv/bin/python benchmarks/compare.py --repeats 3 --steps 5
 """
@@ -50,6 +53,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--peers-python", type=Path, default=PEERS_PYTHON)
     parser.add_argument("--only", choices=("reference", "trl"), help="run one comparison only")
+    parser.add_argument("--before", action="store_true",
+                        help="also run ours with generation_backend=transformers (before/after of the decode loop)")
     parser.add_argument("--output", type=Path, default=HERE / "runs" / "compare.json")
     args = parser.parse_args()
     if not args.peers_python.exists():
@@ -67,10 +72,16 @@ def main() -> None:
     results: dict[str, dict[str, list]] = {name: {"ours": [], "theirs": []} for name in comparisons}
     for repeat in range(args.repeats):
         for name, (script, extra) in comparisons.items():
-            order = [("ours", OURS_PYTHON, "run_ours.py"), ("theirs", args.peers_python, script)]
-            for side, python, runner in order if repeat % 2 == 0 else order[::-1]:
+            order = [("ours", OURS_PYTHON, "run_ours.py", []), ("theirs", args.peers_python, script, [])]
+            if args.before and name == "reference":
+                order.append(("before", OURS_PYTHON, "run_ours.py", ["--generation-backend", "transformers"]))
+                results[name].setdefault("before", [])
+            # Rotate who goes first, so no side always runs on a cold (or warm) machine.
+            shift = repeat % len(order)
+            for side, python, runner, options in order[shift:] + order[:shift]:
                 print(f"repeat {repeat + 1}/{args.repeats}: {name} / {side}", file=sys.stderr, flush=True)
-                results[name][side].append(run_runner(python, runner, common + extra))
+                seed = ["--seed", str(repeat)]  # other samples every repeat, so sampling luck averages out
+                results[name][side].append(run_runner(python, runner, common + extra + options + seed))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results))
     titles = {
@@ -82,6 +93,10 @@ def main() -> None:
         print(comparison_table(titles[name], summarise_runs(sides["ours"]), summarise_runs(sides["theirs"]),
                                f"{name} {version}"))
         print()
+        if sides.get("before"):
+            print(comparison_table(f"Before/after: our decode loop vs model.generate, 2 agents ({args.device})",
+                                   summarise_runs(sides["ours"]), summarise_runs(sides["before"]), "generate"))
+            print()
     print(f"(num_generations={args.num_generations}, max_new_tokens={args.max_new_tokens}, hidden_size={args.hidden_size}, "
           f"{args.steps} timed steps after 1 warm-up, median of {args.repeats} alternating repeats; raw: {args.output})")
 

@@ -10,6 +10,7 @@ from workload import split_step
 # (key, label, format)
 METRICS = [
     ("step_time", "step time (s)", "{:.3f}"),
+    ("cpu_time", "step CPU time (s)", "{:.3f}"),
     ("generation", "  generation (s)", "{:.3f}"),
     ("reward", "  reward scoring (s)", "{:.4f}"),
     ("forward", "  log-prob forward (s)", "{:.3f}"),
@@ -19,6 +20,8 @@ METRICS = [
     ("tokens_per_second", "generated tokens/s (whole step)", "{:.0f}"),
     ("generation_tokens_per_second", "generated tokens/s (generation only)", "{:.0f}"),
     ("generated_tokens", "generated tokens per step", "{:.0f}"),
+    ("decode_steps", "decode steps per step", "{:.0f}"),
+    ("ms_per_decode_step", "generation ms per decode step", "{:.2f}"),
     ("peak_rss_mb", "peak resident memory (MiB)", "{:.0f}"),
     ("peak_cuda_mb", "peak CUDA memory (MiB)", "{:.0f}"),
     ("startup_time", "start-up to first step (s)", "{:.2f}"),
@@ -32,10 +35,14 @@ def summarise_run(result: dict[str, Any]) -> dict[str, float]:
     for step in steps:
         split = split_step(step["step_time"], step["phases"])
         split["step_time"] = step["step_time"]
+        split["cpu_time"] = step.get("cpu_time", 0.0)
         split["samples_per_second"] = step["samples"] / step["step_time"]
         split["tokens_per_second"] = step["generated_tokens"] / step["step_time"]
         split["generation_tokens_per_second"] = step["generated_tokens"] / max(split["generation"], 1e-9)
         split["generated_tokens"] = step["generated_tokens"]
+        if step.get("decode_steps"):
+            split["decode_steps"] = step["decode_steps"]
+            split["ms_per_decode_step"] = 1000 * split["generation"] / step["decode_steps"]
         per_step.append(split)
     summary = {key: statistics.median(s[key] for s in per_step) for key in per_step[0]}
     summary["peak_rss_mb"] = result["peak_rss_mb"]

@@ -54,18 +54,19 @@ def run(workload: Workload) -> RunResult:
     result = RunResult("reference", vars(workload).copy(), versions("torch", "transformers", "comlrl"))
     trainer = build_trainer(workload)
     trainer.verbose = False
-    tokens = {"count": 0}
+    tokens = {"count": 0, "decode_steps": 0}
     generate, step = trainer._generate_completions, trainer._train_step_returns
 
     def counted_generate(*args, **kwargs):
         produced = generate(*args, **kwargs)
         tokens["count"] += sum(produced["response_lens"])
+        tokens["decode_steps"] += max(len(ids) for ids in produced["completion_input_ids"][0])
         return produced
 
     def timed_step(batch_item, **kwargs):
         timer.take()
-        tokens["count"] = 0
-        start = time.perf_counter()
+        tokens["count"] = tokens["decode_steps"] = 0
+        start, cpu_start = time.perf_counter(), time.process_time()
         if not result.startup_time:
             result.startup_time = start - PROCESS_START
         step(batch_item, **kwargs)
@@ -73,7 +74,8 @@ def run(workload: Workload) -> RunResult:
         if not result.first_step_end:
             result.first_step_end = end - PROCESS_START
         samples = workload.num_agents * workload.num_generations
-        result.steps.append(StepRecord(end - start, timer.take(), samples, tokens["count"]))
+        result.steps.append(StepRecord(end - start, timer.take(), samples, tokens["count"], time.process_time() - cpu_start,
+                                       tokens["decode_steps"]))
 
     trainer._generate_completions = timer.wrap("generation", counted_generate)
     trainer._compute_rewards = timer.wrap("reward", trainer._compute_rewards)

@@ -58,15 +58,15 @@ def run(workload: Workload) -> RunResult:
     model = AutoModelForCausalLM.from_pretrained(workload.model_dir, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(workload.model_dir)
     tokenizer.padding_side = "left"
-    state = {"start": 0.0, "tokens": 0}
+    state = {"start": 0.0, "cpu_start": 0.0, "tokens": 0, "decode_steps": 0}
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args, trainer_state, control, **kwargs):
             if cuda:
                 torch.cuda.synchronize()
             timer.take()
-            state["tokens"] = 0
-            state["start"] = time.perf_counter()
+            state["tokens"] = state["decode_steps"] = 0
+            state["start"], state["cpu_start"] = time.perf_counter(), time.process_time()
             if not result.startup_time:
                 result.startup_time = state["start"] - PROCESS_START
 
@@ -78,7 +78,8 @@ def run(workload: Workload) -> RunResult:
                 result.first_step_end = end - PROCESS_START
             phases = timer.take()
             phases["update"] = max(end - state["start"] - phases.get("prepare", 0.0), 0.0)
-            result.steps.append(StepRecord(end - state["start"], phases, workload.num_generations, state["tokens"]))
+            result.steps.append(StepRecord(end - state["start"], phases, workload.num_generations, state["tokens"],
+                                           time.process_time() - state["cpu_start"], state["decode_steps"]))
 
     trainer = GRPOTrainer(
         model=model,
@@ -94,6 +95,7 @@ def run(workload: Workload) -> RunResult:
         produced = generate(prompts)
         completion_ids = produced[1]  # (prompt_ids, completion_ids, ...): lists of token IDs
         state["tokens"] += sum(len(ids) for ids in completion_ids)
+        state["decode_steps"] += max(len(ids) for ids in completion_ids)
         return produced
 
     trainer._generate = timer.wrap("generation", counted_generate)

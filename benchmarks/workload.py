@@ -141,6 +141,10 @@ class StepRecord:
     phases: dict[str, float]
     samples: int
     generated_tokens: int
+    cpu_time: float = 0.0  # the process's CPU time over the step: with one torch thread, busy time whatever the load
+    # Decode steps summed over the step's generate calls (each call runs until its last row ends):
+    # the generation work, which sampling luck changes from run to run and library to library.
+    decode_steps: int = 0
 
 
 @dataclass
