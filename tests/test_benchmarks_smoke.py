@@ -33,6 +33,8 @@ def test_ours_runner_times_every_phase(one_step):
     (step,) = one_step["steps"]
     assert step["samples"] == 4 and 0 < step["generated_tokens"] <= 4 * 8
     assert {"generation", "reward", "forward", "update"} <= set(step["phases"])
+    # two agents, one decode call each, each between 1 and max_new_tokens steps
+    assert 2 <= step["decode_steps"] <= 2 * 8 and 0 < step["cpu_time"]
     assert 0 < step["phases"]["forward"] < step["phases"]["update"] < step["step_time"]
     assert one_step["peak_rss_mb"] > 0 and one_step["first_step_end"] > one_step["startup_time"] > 0
 
@@ -60,6 +62,17 @@ def test_profile_lists_the_top_operators(tiny_llama):
     workload = Workload(model_dir=tiny_llama, num_agents=2, num_generations=2, max_new_tokens=8, steps=1, warmup_steps=1)
     table = profile_step.profile(workload, row_limit=5)
     assert "Self CPU" in table and "aten::" in table
+
+
+def test_decode_steps_compares_every_variant(tiny_llama):
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "decode_steps.py"), "--model-dir", tiny_llama, "--max-new-tokens", "4",
+         "--calls", "1", "--repeats", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    rows = [line for line in completed.stdout.splitlines() if line.startswith("| generate") or line.startswith("| loop")]
+    assert len(rows) == 4 and rows[0].endswith("| 1.00 |")
 
 
 def test_peer_runners_import_without_the_peers():
