@@ -8,6 +8,9 @@ Before every optimizer step the gradients are averaged over the processes with
 ``torch.distributed.all_reduce`` (the averaging DDP does), so every rank takes the same step
 and the weights stay identical. Rank 0 writes checkpoints while the others wait at a barrier;
 all ranks load them. Single-process runs never touch ``torch.distributed``.
+
+An accelerate FSDP launch (``ACCELERATE_USE_FSDP=true``) shards the agents instead of
+replicating them (comlrl/sharding.py); the data still splits as above. DeepSpeed is refused.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from comlrl import sharding
 from comlrl.seeding import set_seed
 
 logger = logging.getLogger(__name__)
 
-# Set by ``accelerate launch`` when its config asks for sharded training.
-SHARDED_LAUNCH_FLAGS = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed"}
+# Set by ``accelerate launch`` when its config asks for DeepSpeed, which the trainers do not drive.
+DEEPSPEED_FLAG = "ACCELERATE_USE_DEEPSPEED"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class DataParallel:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
+    fsdp: sharding.FSDPSettings | None = None  # set: agents are sharded (comlrl/sharding.py)
 
     @property
     def enabled(self) -> bool:
@@ -72,11 +77,14 @@ class DataParallel:
         """Replace every trainable parameter's gradient by its mean over the processes.
 
         A parameter without a gradient counts as zero, so every rank joins the same collectives.
+        Sharded models are skipped: FSDP's backward already reduce-scattered their mean gradients.
         """
         if not self.enabled:
             return
         device = self._comm_device()
         for model in models:
+            if sharding.is_sharded(model):
+                continue
             for parameter in model.parameters():
                 if not parameter.requires_grad:
                     continue
@@ -120,15 +128,15 @@ class DataParallel:
             set_seed(seed + 1_000_003 * self.rank + 7919 * global_step)
 
 
-def check_launch() -> None:
-    """Sharded launches (FSDP, DeepSpeed) are refused before anything loads: the trainers replicate models."""
-    for flag, name in SHARDED_LAUNCH_FLAGS.items():
-        if os.environ.get(flag, "").lower() in ("1", "true", "yes"):
-            raise ValueError(
-                f"this process was launched with an accelerate {name} config ({flag}=true), but the trainers "
-                "replicate every model per process (DDP-style); launch with infra/accelerate/multi_gpu.yaml, and fit "
-                "larger models with placement (device=[...]), LoRA (lora_rank), precision and gradient_checkpointing"
-            )
+def check_launch() -> sharding.FSDPSettings | None:
+    """Refuse DeepSpeed launches before anything loads; an FSDP launch's settings, checked (None otherwise)."""
+    if os.environ.get(DEEPSPEED_FLAG, "").lower() in sharding.TRUE_VALUES:
+        raise ValueError(
+            f"this process was launched with an accelerate DeepSpeed config ({DEEPSPEED_FLAG}=true), which the "
+            "trainers do not drive; for models that do not fit one GPU launch with infra/accelerate/fsdp.yaml "
+            "(FSDP2), otherwise with infra/accelerate/multi_gpu.yaml"
+        )
+    return sharding.FSDPSettings.from_environment()
 
 
 def current() -> DataParallel:
@@ -137,10 +145,10 @@ def current() -> DataParallel:
     ``torchrun`` and ``accelerate launch`` set ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``; the group
     uses NCCL when CUDA is present and gloo otherwise.
     """
+    fsdp = check_launch()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size <= 1 and not dist.is_initialized():
-        return DataParallel()
-    check_launch()
+        return DataParallel()  # one process: nothing to shard over
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend)
@@ -152,4 +160,5 @@ def current() -> DataParallel:
         world_size=dist.get_world_size(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(dist.get_world_size()))),
+        fsdp=fsdp,
     )

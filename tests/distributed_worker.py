@@ -5,7 +5,12 @@ own, under a seed drawn from its text and the step (``PerPromptSeededMAGRPO``). 
 run over the global batch and an N-process run over its shards then see the same completions,
 so their gradients may differ only by float summation order.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py MODEL_DIR PROMPTS_JSON OUT_DIR
+Launched with ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2`` (what ``accelerate launch`` with
+infra/accelerate/fsdp.yaml sets), the agents are sharded (tests/test_fsdp.py); the worker then
+also exports the agents, samples a different number of tokens on each rank, and, given a
+1-process checkpoint, resumes it for a second step.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py MODEL_DIR PROMPTS_JSON OUT_DIR [CHECKPOINT]
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from comlrl import sharding  # noqa: E402
 from comlrl.episodes import Rollout, Turn  # noqa: E402
-from comlrl.rollout import Generation  # noqa: E402
+from comlrl.rollout import Generation, generate_completions  # noqa: E402
+from comlrl.sampling import SamplingParams  # noqa: E402
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 
 
@@ -87,19 +94,55 @@ def build(model_dir: str, prompts: list[str], per_device_batch: int, epochs: int
     )
 
 
-def main(model_dir: str, prompts_file: str, out_dir: str) -> None:
+def full_weights(trainer: PerPromptSeededMAGRPO) -> list[dict[str, torch.Tensor]]:
+    """Every agent's weights as plain tensors on rank 0 (sharded agents are gathered: every rank calls this)."""
+    if trainer.data_parallel.fsdp is None:
+        return [agent.state_dict() for agent in trainer.agents]
+    return [sharding.gather_model_state(agent) for agent in trainer.agents]
+
+
+def uneven_lengths(rank: int) -> int:
+    """Tokens rank ``rank`` samples in the generation check: ranks decode different numbers of steps."""
+    return 2 + 4 * rank
+
+
+def sample_unevenly(trainer: PerPromptSeededMAGRPO, prompt: str, out: Path) -> None:
+    """Each rank samples its own number of tokens from sharded agent 0 with both backends (none may hang)."""
+    rank = trainer.data_parallel.rank
+    for backend in ("comlrl", "transformers"):
+        sampling = SamplingParams(max_new_tokens=uneven_lengths(rank), backend=backend)
+        generation = generate_completions(trainer.agents[0], trainer.tokenizers[0], [prompt], 2, sampling,
+                                          generator=torch.Generator().manual_seed(5))
+        torch.save(generation.completion_ids, out / f"sampled_{backend}_{rank}.pt")
+
+
+def main(model_dir: str, prompts_file: str, out_dir: str, resume: str | None = None) -> None:
     prompts = json.loads(Path(prompts_file).read_text())
+    out = Path(out_dir)
     trainer = build(model_dir, prompts, per_device_batch=len(prompts) // 2, epochs=1)
     assert trainer.data_parallel.world_size == 2, trainer.data_parallel
-    history = trainer.train(checkpoint_dir=Path(out_dir) / "checkpoints")
-    out = Path(out_dir)
+    sharded = trainer.data_parallel.fsdp is not None
+    assert sharded == (os.environ.get("ACCELERATE_USE_FSDP") == "true")
+    assert all(sharding.is_sharded(agent) == sharded for agent in trainer.agents)
+    history = trainer.train(checkpoint_dir=out / "checkpoints")
+    weights = full_weights(trainer)
     if trainer.data_parallel.is_main:
-        torch.save([agent.state_dict() for agent in trainer.agents], out / "weights.pt")
+        torch.save(weights, out / "weights.pt")
         (out / "history.json").write_text(json.dumps(history))
     # Every rank reports the prompts it rolled out, to check the sharding.
     shard = trainer.epoch_batches(0)[0]
     (out / f"shard_{trainer.data_parallel.rank}.json").write_text(json.dumps(shard))
+    if sharded:
+        trainer.save_model(out / "export")
+        sample_unevenly(trainer, prompts[0], out)
+    if resume is not None:  # a 1-process checkpoint, one more step here
+        resumed = build(model_dir, prompts, per_device_batch=len(prompts) // 2, epochs=2)
+        resumed_history = resumed.train(resume_from_checkpoint=resume)
+        weights = full_weights(resumed)
+        if resumed.data_parallel.is_main:
+            torch.save(weights, out / "resumed_weights.pt")
+            (out / "resumed_history.json").write_text(json.dumps(resumed_history))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

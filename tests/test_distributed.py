@@ -1,5 +1,5 @@
 """Data parallelism: a 2-process torchrun (gloo) MAGRPO step equals a 1-process step over the same
-global batch, its rank-0 checkpoint resumes in one process, and launch/sharding rules.
+global batch, its rank-0 checkpoint resumes in one process, and launch/sharding rules (FSDP: tests/test_fsdp.py).
 
 The rollouts are made identical across the two set-ups by sampling every prompt under its own
 seed (tests/distributed_worker.py): then only float summation order separates the gradients.
@@ -107,7 +107,7 @@ def test_sharding_is_round_robin_and_every_rank_needs_a_prompt():
         DataParallel(rank=0, world_size=4).check_batches(num_rows=9, batch_size=2)
 
 
-def test_sharded_accelerate_launches_are_refused_clearly(monkeypatch):
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(ValueError, match="accelerate FSDP config.*multi_gpu.yaml"):
+def test_deepspeed_launches_are_refused_clearly(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="accelerate DeepSpeed config.*fsdp.yaml.*multi_gpu.yaml"):
         check_launch()

@@ -14,6 +14,10 @@ Layout of ``checkpoint-N`` (N = completed boundaries)::
 A checkpoint is assembled in ``.checkpoint-N.tmp-*`` and renamed into place only once
 complete, so a crash mid-save leaves every earlier checkpoint intact. Every ``.pt`` file
 holds tensors and plain values only and is read with ``torch.load(..., weights_only=True)``.
+
+Weights and optimizer states are always full (unsharded): sharded (FSDP) models arrive here
+gathered by :func:`comlrl.sharding.gather_checkpoint` and load through :mod:`comlrl.sharding`,
+so a checkpoint does not depend on how many processes wrote or read it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from comlrl import sharding
 
 CHECKPOINT_PREFIX = "checkpoint-"
 COMPLETE_MARKER = "COMPLETE"
@@ -93,10 +99,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def save_state(state: dict[str, torch.Tensor], file: str) -> None:
+    """A gathered state dict written as ``save_model`` writes its module: a tensor under several (tied)
+    names is stored once, under the first name in sorted order, the others named in the metadata."""
+    kept: dict[int, str] = {}
+    for name in sorted(state):
+        kept.setdefault(id(state[name]), name)
+    dropped = {name: kept[id(tensor)] for name, tensor in state.items() if kept[id(tensor)] != name}
+    save_file({name: state[name].contiguous() for name in kept.values()}, file, metadata=dropped or None)
+
+
 def write_checkpoint(
     checkpoint_dir: str | Path,
     name: str,
-    modules: dict[str, torch.nn.Module],
+    modules: dict[str, torch.nn.Module | dict[str, torch.Tensor]],
     optimizers: dict[str, Any],
     rng_state: dict[str, Any],
     metadata: dict[str, Any],
@@ -105,7 +121,11 @@ def write_checkpoint(
     schedulers: dict[str, Any] | None = None,
     history: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """Write the checkpoint directory ``name`` atomically and return its path."""
+    """Write the checkpoint directory ``name`` atomically and return its path.
+
+    ``modules`` and ``optimizers`` hold modules and optimizers, or the full state dicts gathered from
+    sharded ones.
+    """
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
@@ -113,10 +133,15 @@ def write_checkpoint(
     try:
         (staging / "models").mkdir()
         for name, module in modules.items():
-            save_model(module, str(staging / "models" / f"{name}.safetensors"))
+            file = str(staging / "models" / f"{name}.safetensors")
+            if isinstance(module, torch.nn.Module):
+                save_model(module, file)
+            else:
+                save_state(module, file)
         (staging / "optimizers").mkdir()
         for name, optimizer in optimizers.items():
-            torch.save(optimizer.state_dict(), staging / "optimizers" / f"{name}.pt")
+            state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+            torch.save(state, staging / "optimizers" / f"{name}.pt")
         for name, scheduler in (schedulers or {}).items():
             torch.save(scheduler.state_dict(), staging / "optimizers" / f"{name}.scheduler.pt")
         torch.save(rng_state, staging / "rng.pt")
@@ -150,15 +175,26 @@ def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
         if not file.is_file():
             raise ValueError(f"checkpoint {str(path)!r} has no weights for {name!r}")
         try:
-            load_model(module, str(file), strict=True)
+            if sharding.is_sharded(module):  # every rank joins; rank 0 reads
+                sharding.load_model_state(module, lambda: load_file(str(file)))
+            else:
+                load_model(module, str(file), strict=True)
         except RuntimeError as error:
             raise ValueError(f"checkpoint weights for {name!r} do not fit the model: {error}") from None
 
 
-def load_optimizers(path: Path, optimizers: dict[str, Any], schedulers: dict[str, Any] | None = None) -> None:
+def load_optimizers(path: Path, optimizers: dict[str, Any], schedulers: dict[str, Any] | None = None,
+                    modules: dict[str, torch.nn.Module] | None = None) -> None:
+    """Optimizer states (the optimizer of a sharded module in ``modules``, same name, loads through
+    :mod:`comlrl.sharding`) and LR schedules."""
     for name, optimizer in optimizers.items():
         file = path / "optimizers" / f"{name}.pt"
-        optimizer.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
+        module = (modules or {}).get(name)
+        if module is not None and sharding.is_sharded(module):
+            where = f"checkpoint {str(path)!r}, optimizer {name!r}"
+            sharding.load_optimizer_state(module, optimizer, lambda: load_pt(file), where)
+        else:
+            optimizer.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
     for name, scheduler in (schedulers or {}).items():
         file = path / "optimizers" / f"{name}.scheduler.pt"
         if file.is_file():

@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 
 import comlrl
+from comlrl import sharding
 from comlrl.checkpointing import io
 from comlrl.seeding import capture_rng_state, restore_rng_state
 
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 def model_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
     """What must match for saved weights to mean the same thing: class and parameter shapes."""
     shapes = {name: list(tensor.shape) for name, tensor in module.state_dict().items()}
-    return {"class": type(module).__name__, "num_tensors": len(shapes), "shapes": shapes}
+    return {"class": sharding.model_class(module).__name__, "num_tensors": len(shapes), "shapes": shapes}
 
 
 def _describe_shape_difference(saved: dict[str, Any], current: dict[str, Any]) -> str:
@@ -90,8 +91,9 @@ class CheckpointRunner:
         metadata = io.read_metadata(self.resume_path)
         self.check_compatible(metadata)
         trainer = self.trainer
-        io.load_modules(self.resume_path, trainer.checkpoint_modules())
-        io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers(), self._schedulers())
+        modules = trainer.checkpoint_modules()
+        io.load_modules(self.resume_path, modules)
+        io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers(), self._schedulers(), modules)
         state = dict(metadata["state"])
         state["history"] = json.loads((self.resume_path / io.HISTORY_FILE).read_text())
         trainer.state = type(trainer.state)(**state)
@@ -157,16 +159,19 @@ class CheckpointRunner:
         """Write a checkpoint; a failed write (e.g. a full disk) is logged and leaves older ones intact.
 
         Under data parallelism rank 0 writes (every rank holds the same weights) and the others
-        wait at a barrier until it is on disk.
+        wait at a barrier until it is on disk; sharded models are first gathered to rank 0 (every
+        rank takes part).
         """
         name = name or f"{io.CHECKPOINT_PREFIX}{self.trainer.state.boundaries}"
         parallel = getattr(self.trainer, "data_parallel", None)
+        modules, optimizers = sharding.gather_checkpoint(self.trainer.checkpoint_modules(),
+                                                         self.trainer.checkpoint_optimizers())
         if parallel is not None and not parallel.is_main:
             parallel.barrier()
             self.last_saved = self.trainer.state.boundaries
             return self.checkpoint_dir / name
         try:
-            return self._write(name)
+            return self._write(name, modules, optimizers)
         except (OSError, SafetensorError) as error:
             self.failures += 1
             logger.error("checkpoint save failed (%s); earlier checkpoints are intact and training goes on", error)
@@ -175,11 +180,11 @@ class CheckpointRunner:
             if parallel is not None:
                 parallel.barrier()
 
-    def _write(self, name: str) -> Path:
+    def _write(self, name: str, modules: dict[str, Any], optimizers: dict[str, Any]) -> Path:
+        """Write ``modules``/``optimizers`` (as :func:`comlrl.sharding.gather_checkpoint` returns them) and the rest."""
         trainer = self.trainer
         state = dataclasses.asdict(trainer.state)
         history = state.pop("history")
-        modules = trainer.checkpoint_modules()
         metadata = {
             "format_version": FORMAT_VERSION,
             "library_version": comlrl.__version__,
@@ -189,7 +194,7 @@ class CheckpointRunner:
             "state": state,
             "config": trainer.args.to_dict(),
             "compat": trainer.compat_settings(),
-            "models": {name: model_fingerprint(module) for name, module in modules.items()},
+            "models": {name: model_fingerprint(module) for name, module in trainer.checkpoint_modules().items()},
             "wandb": trainer.run_identity.get("wandb"),
             "mlflow": trainer.run_identity.get("mlflow"),
         }
@@ -199,7 +204,7 @@ class CheckpointRunner:
             self.checkpoint_dir,
             name,
             modules,
-            trainer.checkpoint_optimizers(),
+            optimizers,
             capture_rng_state(),
             metadata,
             stateful=stateful,

@@ -21,7 +21,7 @@ from comlrl import entities
 from comlrl.algorithms.advantages import tree_returns
 from comlrl.callbacks import TrainerCallback, dispatch
 from comlrl.data import batches, check_dataset, epoch_order, format_prompt, resolve_formatters
-from comlrl import distributed, lora
+from comlrl import distributed, lora, sharding
 from comlrl.memory import device_memory_metrics, enable_gradient_checkpointing, resolve_precision
 from comlrl.placement import (AgentMap, devices_of, local_gpus, map_by_device, private_tokenizers, resolve_placement,
                               runs_concurrently)
@@ -72,6 +72,8 @@ class MultiAgentTrainer:
     config_class: type[RolloutConfig] = RolloutConfig
     tokenizer_explicit_for_lists = False
     data_parallel = distributed.DataParallel()  # one process until __init__ looks at the launch
+    # Why this trainer cannot shard its models under an FSDP launch (None: it can).
+    fsdp_refusal: str | None = None
 
     def __init__(
         self,
@@ -131,6 +133,8 @@ class MultiAgentTrainer:
         if self.args.lora_rank is not None:
             lora.require_peft()
         self.check_before_loading(sources)
+        if self.data_parallel.fsdp is not None:
+            sharding.check_shardable(type(self).__name__, self.fsdp_refusal, self.args.lora_rank, self.agent_devices)
 
         set_seed(self.args.seed)
         tokenizers = entities.resolve_tokenizers(
@@ -141,7 +145,9 @@ class MultiAgentTrainer:
             trainer_name=type(self).__name__,
             trust_remote_code=self.args.trust_remote_code,
         )
-        loaded = entities.load_models(sources, tokenizers, self.agent_devices, self.dtype, "agent", self.args.trust_remote_code)
+        # Agents to be sharded load on CPU; sharding puts each process's shards on its device.
+        load_devices = [torch.device("cpu")] * len(sources) if self.data_parallel.fsdp else self.agent_devices
+        loaded = entities.load_models(sources, tokenizers, load_devices, self.dtype, "agent", self.args.trust_remote_code)
         self.agents = self.prepare_agents(loaded.models)
         self.check_context(self.agents)
         concurrent = runs_concurrently(self.agent_devices)
@@ -174,7 +180,8 @@ class MultiAgentTrainer:
         return resolve_placement(requested, sources, where, gpus, self.args.trust_remote_code)
 
     def prepare_agents(self, models: list[Any]) -> list[Any]:
-        """Memory options on freshly loaded actors, then rank 0's weights to every process."""
+        """Memory options on freshly loaded actors, then rank 0's weights to every process (sharded
+        over the processes under FSDP)."""
         if self.args.lora_rank is not None:
             args = self.args
             models = [lora.add_adapters(m, args.lora_rank, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
@@ -182,6 +189,9 @@ class MultiAgentTrainer:
         if self.args.gradient_checkpointing:
             enable_gradient_checkpointing(models)
         self.data_parallel.broadcast_parameters(models)
+        fsdp = self.data_parallel.fsdp
+        if fsdp is not None:
+            models = [sharding.shard_model(model, fsdp, device) for model, device in zip(models, self.agent_devices)]
         return models
 
     def model_devices(self) -> list[torch.device]:
@@ -405,7 +415,10 @@ class MultiAgentTrainer:
         return {f"eval/{name}": value for name, value in metrics.items()}
 
     def step_optimizers(self, optimizers: list[torch.optim.Optimizer], models: list[torch.nn.Module]) -> list[float]:
-        """Average over processes, clip, step and zero; returns each model's gradient norm before clipping."""
+        """Average over processes, clip, step and zero; returns each model's gradient norm before clipping.
+
+        Sharded models' gradients are DTensors: ``clip_grad_norm_`` computes their global norm.
+        """
         self.data_parallel.average_gradients(models)
         norms = []
         skipped = 0
@@ -471,8 +484,11 @@ class MultiAgentTrainer:
         An export, not a checkpoint: optimizer, progress and RNG states are not saved.
         """
         output_dir = Path(output_dir)
-        if self.data_parallel.is_main:  # LoRA actors: merged weights or adapter files, per lora_save
+        directories = [output_dir / f"agent_{i}" for i in range(self.num_agents)]
+        if self.data_parallel.fsdp is not None:  # every rank gathers, rank 0 writes
+            sharding.export_models(self.agents, self.tokenizers, directories)
+        elif self.data_parallel.is_main:  # LoRA actors: merged weights or adapter files, per lora_save
             agents = [lora.exportable(agent, self.args.lora_save) for agent in self.agents]
-            save_pretrained_models(agents, self.tokenizers, [output_dir / f"agent_{i}" for i in range(self.num_agents)])
+            save_pretrained_models(agents, self.tokenizers, directories)
         self.data_parallel.barrier()
         return output_dir

@@ -56,6 +56,8 @@ class ActorCriticTrainer(MultiAgentTrainer):
     config_class = ActorCriticConfig
     args: ActorCriticConfig
     tokenizer_explicit_for_lists = True
+    fsdp_refusal = ("value heads and critics are not sharded yet (a head attached to a sharded actor would "
+                    "train unsynchronised)")
 
     def __init__(
         self,

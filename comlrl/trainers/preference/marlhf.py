@@ -54,6 +54,8 @@ class MARLHFTrainer(MultiAgentTrainer):
     config_class = MARLHFConfig
     args: MARLHFConfig
     boundary_kind = "pbrl_stage"
+    fsdp_refusal = ("the joint reward model and the policy trainer it builds are not sharded yet; launch with "
+                    "infra/accelerate/multi_gpu.yaml (DDP) instead")
 
     def __init__(self, *args: Any, critic_model: Any = None, critics: Sequence[Any] | None = None, **kwargs: Any) -> None:
         self._critic_model = critic_model

@@ -1,0 +1,137 @@
+"""FSDP: a 2-process torchrun (gloo) MAGRPO step with sharded agents equals a 1-process step over the
+same global batch; checkpoints move between sharded and unsharded runs in both directions;
+sharded agents sample without waiting on each other and export ordinary model directories;
+and the launch settings are read (or refused) as accelerate's FSDP config sets them.
+
+The worker is tests/distributed_worker.py, launched with the variables ``accelerate launch
+--config_file infra/accelerate/fsdp.yaml`` sets.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from comlrl.distributed import check_launch
+from comlrl.rollout import generate_completions
+from comlrl.sampling import SamplingParams
+from comlrl.sharding import FSDPSettings, check_shardable
+from comlrl.trainers.actor_critic import IACTrainer
+from distributed_worker import build, uneven_lengths
+from test_distributed import ROOT, assert_weights_close, checkpoint_weights, equal_length_prompts, free_port
+
+FSDP_LAUNCH = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
+               "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_OFFLOAD_PARAMS": "false",
+               "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama, tmp_path_factory):
+    """A 1-process run of two steps (checkpoint after each), then the 2-process FSDP worker, which also
+    resumes the 1-process checkpoint-1 for step 2."""
+    out = tmp_path_factory.mktemp("fsdp")
+    prompts = equal_length_prompts(tiny_llama)
+    (out / "prompts.json").write_text(json.dumps(prompts))
+    single = build(tiny_llama, prompts, per_device_batch=4, epochs=2)
+    single_history = single.train(checkpoint_dir=out / "single")
+    env = {**os.environ, **FSDP_LAUNCH, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(ROOT / "tests" / "distributed_worker.py"),
+        tiny_llama, str(out / "prompts.json"), str(out), str(out / "single" / "checkpoint-1"),
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out, prompts, single, single_history
+
+
+def test_sharded_step_equals_one_process_step(runs):
+    out, _, _, single_history = runs
+    shards = [json.loads((out / f"shard_{rank}.json").read_text()) for rank in range(2)]
+    assert sorted(shards[0] + shards[1]) == [0, 1, 2, 3]
+    first, parallel = single_history[0], json.loads((out / "history.json").read_text())[0]
+    for key in ("agent_0/grad_norm", "agent_1/grad_norm", "agent_0/loss", "agent_1/loss", "reward_mean"):
+        assert parallel[key] == pytest.approx(first[key], rel=1e-5, abs=1e-7), key
+    assert first["agent_0/grad_norm"] > 0
+    # The checkpoint holds full weights, gathered from the shards, in the 1-process layout.
+    sharded_checkpoint = checkpoint_weights(out / "checkpoints" / "checkpoint-1")
+    single_checkpoint = checkpoint_weights(out / "single" / "checkpoint-1")
+    assert [w.keys() for w in sharded_checkpoint] == [w.keys() for w in single_checkpoint]
+    assert_weights_close(single_checkpoint, sharded_checkpoint, atol=1e-5)
+    assert_weights_close(torch.load(out / "weights.pt", weights_only=True), sharded_checkpoint, atol=0)
+
+
+def test_checkpoints_cross_between_sharded_and_unsharded_runs(runs, tiny_llama):
+    out, prompts, single, single_history = runs
+    # 1 process -> 2 sharded processes: step 2 as the uninterrupted 1-process run took it.
+    resumed_history = json.loads((out / "resumed_history.json").read_text())
+    assert resumed_history[0] == single_history[0] and len(resumed_history) == 2
+    assert resumed_history[1]["agent_0/grad_norm"] == pytest.approx(single_history[1]["agent_0/grad_norm"], rel=1e-4)
+    final = [agent.state_dict() for agent in single.agents]
+    assert_weights_close(final, torch.load(out / "resumed_weights.pt", weights_only=True), atol=1e-5)
+    # 2 sharded processes -> 1 process: weights, optimizer state and progress continue.
+    resumed = build(tiny_llama, prompts, per_device_batch=4, epochs=2)
+    history = resumed.train(resume_from_checkpoint=out / "checkpoints" / "checkpoint-1")
+    assert resumed.state.global_step == 2
+    assert history[1]["agent_0/grad_norm"] == pytest.approx(single_history[1]["agent_0/grad_norm"], rel=1e-4)
+    assert_weights_close(final, [agent.state_dict() for agent in resumed.agents], atol=1e-5)
+
+
+def test_sharded_agents_sample_unevenly_and_export_plain_models(runs):
+    out, prompts, _, _ = runs
+    exported = AutoModelForCausalLM.from_pretrained(out / "export" / "agent_0")
+    gathered = torch.load(out / "weights.pt", weights_only=True)[0]
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(tensor, gathered[name], rtol=0, atol=0, msg=name)
+    # Each rank sampled its own number of tokens; an unsharded copy draws the same ones.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out / "export" / "agent_0")
+    for backend in ("comlrl", "transformers"):
+        for rank in range(2):
+            sampling = SamplingParams(max_new_tokens=uneven_lengths(rank), backend=backend)
+            expected = generate_completions(exported, tokenizer, [prompts[0]], 2, sampling,
+                                            generator=torch.Generator().manual_seed(5)).completion_ids
+            sampled = torch.load(out / f"sampled_{backend}_{rank}.pt", weights_only=True)
+            assert sampled.shape[1] <= uneven_lengths(rank)
+            assert torch.equal(sampled, expected), (backend, rank)
+
+
+# ----- launch settings ----------------------------------------------------------------------------
+def test_fsdp_settings_follow_accelerate_variables():
+    assert FSDPSettings.from_environment({}) is None
+    assert FSDPSettings.from_environment(FSDP_LAUNCH) == FSDPSettings(reshard_after_forward=True, wrap_layers=True)
+    settings = FSDPSettings.from_environment({**FSDP_LAUNCH, "FSDP_RESHARD_AFTER_FORWARD": "false",
+                                              "FSDP_TRANSFORMER_CLS_TO_WRAP": "LlamaDecoderLayer, Block"})
+    assert settings == FSDPSettings(reshard_after_forward=False, layer_classes=("LlamaDecoderLayer", "Block"))
+    assert not FSDPSettings.from_environment({**FSDP_LAUNCH, "FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}).wrap_layers
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("FSDP_VERSION", "1", "FSDP_VERSION='1'.*fsdp_version: 2"),
+    ("FSDP_OFFLOAD_PARAMS", "true", "FSDP_OFFLOAD_PARAMS=true.*set it to false"),
+    ("FSDP_CPU_RAM_EFFICIENT_LOADING", "true", "fsdp_cpu_ram_efficient_loading is not supported"),
+    ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "'SIZE_BASED_WRAP' is not supported"),
+    ("FSDP_RESHARD_AFTER_FORWARD", "FULL_SHARD", "FSDP_RESHARD_AFTER_FORWARD='FULL_SHARD' is not a boolean"),
+])
+def test_unsupported_fsdp_settings_are_refused_before_loading(monkeypatch, variable, value, message):
+    for name, setting in {**FSDP_LAUNCH, variable: value}.items():
+        monkeypatch.setenv(name, setting)
+    with pytest.raises(ValueError, match=message):
+        check_launch()
+
+
+def test_what_fsdp_cannot_shard_is_refused_before_loading():
+    cpu = torch.device("cpu")
+    check_shardable("MAGRPOTrainer", None, None, [cpu, cpu])
+    with pytest.raises(ValueError, match="IACTrainer cannot shard its models with FSDP: value heads.*multi_gpu.yaml"):
+        check_shardable("IACTrainer", IACTrainer.fsdp_refusal, None, [cpu])
+    with pytest.raises(ValueError, match="lora_rank=8 cannot be combined with FSDP"):
+        check_shardable("MAGRPOTrainer", None, 8, [cpu])
+    with pytest.raises(ValueError, match=r"placed on \['cpu', 'meta'\]; use device='auto' with one GPU per process"):
+        check_shardable("MAGRPOTrainer", None, None, [cpu, torch.device("meta")])
