@@ -9,6 +9,7 @@ tokens up to and including the first EOS.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,9 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from comlrl.sampling import SamplingParams, decode
 
 logger = logging.getLogger(__name__)
+
+# model.generate samples from the process-wide RNG: agents generating concurrently take turns.
+_GLOBAL_RNG = threading.Lock()
 
 
 @dataclass
@@ -120,14 +124,15 @@ def eos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
 def _generate_with_transformers(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: torch.Tensor,
                                 prompt_mask: torch.Tensor, num_generations: int, sampling: SamplingParams,
                                 generator: torch.Generator | None) -> torch.Tensor:
-    """``model.generate``; with a generator, its global-RNG draws come from a seed taken from it."""
+    """``model.generate``; with a generator, its global-RNG draws come from a seed taken from it, under
+    a lock, so agents on concurrent threads stay reproducible (they generate one at a time)."""
     config = _generation_config(tokenizer, sampling, num_generations)
     if generator is None:
         output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
     else:
         seed = int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
         devices = [prompt_ids.device] if prompt_ids.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with _GLOBAL_RNG, torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
     return output[:, prompt_ids.shape[1]:]

@@ -24,15 +24,15 @@ def _configure(workdir: str) -> None:
     configure_embedded_default(workdir)
 
 
-def _check_spec(spec: str, root: str) -> int | None:
+def _load_spec(spec: str, root: str):
+    """The validated run spec, or None once every problem has been printed."""
     from flows.spec import SpecError, load_spec
 
     try:
-        load_spec(spec, root)
+        return load_spec(spec, root)
     except SpecError as error:
         print(error, file=sys.stderr)
-        return 2
-    return None
+        return None
 
 
 def _where_to_look(workdir: str) -> None:
@@ -52,13 +52,13 @@ def _where_to_look(workdir: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
-    if (status := _check_spec(args.spec, root)) is not None:
-        return status
+    if (spec := _load_spec(args.spec, root)) is None:
+        return 2
     _configure(args.workdir)
-    from flows.training import train_flow
+    from flows.training import training_flow
 
-    result = train_flow(spec_path=str(Path(args.spec).resolve()), run_id=args.run_id, workdir=args.workdir, root=root,
-                        init_from_alias=args.init_from)
+    result = training_flow(spec)(spec_path=str(Path(args.spec).resolve()), run_id=args.run_id, workdir=args.workdir,
+                                 root=root, init_from_alias=args.init_from)
     print(json.dumps(result, indent=2))
     _where_to_look(args.workdir)
     return 0
@@ -78,8 +78,8 @@ def resume(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
-    if (status := _check_spec(args.spec, root)) is not None:
-        return status
+    if _load_spec(args.spec, root) is None:
+        return 2
     _configure(args.workdir)
     if not os.environ.get("PREFECT_API_URL"):
         print("comlrl serve needs a Prefect server: start one (bash infra/servers.sh start) and set PREFECT_API_URL",
@@ -118,10 +118,12 @@ def demo(args: argparse.Namespace) -> int:
     """The bundled tiny demo as a flow run on the embedded default, then promotion and a sample."""
     started = time.perf_counter()
     _configure(args.workdir)
-    from flows.training import train_flow
+    from flows.spec import load_spec
+    from flows.training import training_flow
 
     run_id = args.run_id or f"letters-demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = train_flow(spec_path=str(DEMO_SPEC), run_id=run_id, workdir=args.workdir, root=str(PROJECT_ROOT))
+    result = training_flow(load_spec(DEMO_SPEC, PROJECT_ROOT))(spec_path=str(DEMO_SPEC), run_id=run_id,
+                                                               workdir=args.workdir, root=str(PROJECT_ROOT))
     from comlrl import tracking
 
     names = [entry["name"] for entry in result["registered"]]
@@ -163,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Validate SPEC (every problem is listed, nothing loads if any), then run the training flow: one "
             "transaction per boundary (epoch / PbRL stage) holding its checkpoint, MLflow metrics and artifacts, "
             "and the agents registered as <name>-agent-<i> with alias 'candidate'. Running the same spec again "
-            "(same --run-id) resumes after the last completed boundary.")
+            "(same --run-id) resumes after the last completed boundary. The spec's execution section picks the "
+            "Prefect task runner (execution: {task_runner: dask} runs one task per agent on Dask).")
     p.add_argument("spec", help="the run spec (YAML); see flows/specs/letters.yaml")
     p.add_argument("--run-id", help="run name (default <name>-<spec hash>); reuse it to resume")
     p.add_argument("--root", default=".", help="directory the spec's relative paths start from; datasets must lie in ROOT/data")

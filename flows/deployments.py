@@ -14,7 +14,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from flows.spec import load_spec
-from flows.training import train_flow
+from flows.training import training_flow
 
 
 @flow(name="comlrl-retrain", log_prints=True)
@@ -22,10 +22,10 @@ def retrain_flow(spec_path: str, workdir: str = ".comlrl", root: str | None = No
                  tracking_uri: str | None = None, alias: str = "champion") -> dict[str, Any]:
     """Retrain the spec's agents starting from the registry's ``alias`` versions."""
     scheduled = flow_run.scheduled_start_time or datetime.now(timezone.utc)
-    name = load_spec(spec_path, root).name
-    run_id = f"{name}-retrain-{scheduled:%Y%m%dT%H%M%S}"
-    return train_flow(spec_path=spec_path, run_id=run_id, workdir=workdir, root=root,
-                      tracking_uri=tracking_uri, init_from_alias=alias)
+    spec = load_spec(spec_path, root)
+    run_id = f"{spec.name}-retrain-{scheduled:%Y%m%dT%H%M%S}"
+    return training_flow(spec)(spec_path=spec_path, run_id=run_id, workdir=workdir, root=root,
+                               tracking_uri=tracking_uri, init_from_alias=alias)
 
 
 def serve(spec_path: str, cron: str, workdir: str, root: str, tracking_uri: str | None, name: str) -> None:

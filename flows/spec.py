@@ -17,6 +17,7 @@ Example (``flows/specs/letters.yaml`` is the bundled demo)::
       eval: data/letters/eval.parquet
     reward: comlrl.tasks.letters:letters_reward
     config: {num_agents: 2, num_generations: 4, num_train_epochs: 3}
+    execution: {task_runner: dask}         # optional: one Prefect task per agent on Dask (README)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.algorithms import ALGORITHMS, Algorithm
 
@@ -106,6 +107,38 @@ class RegistrySpec(Strict):
     alias: str = Field("candidate", pattern=NAME)
 
 
+class ExecutionSpec(Strict):
+    """Where the flow runs each agent's share of a stage. Never changes what is trained, so it is not
+    part of the spec hash: a run may be resumed under another task runner."""
+
+    task_runner: Literal["default", "dask"] = Field(
+        "default", description="'default': agents' work runs inside the stage tasks (comlrl.placement.map_by_device); "
+                               "'dask': one agent_work task per agent on a prefect-dask DaskTaskRunner.")
+    dask_address: str | None = Field(
+        None, description="A running Dask scheduler (tcp://host:8786) whose workers are threads of the flow's process; "
+                          "default: the flow starts an in-process LocalCluster.")
+    dask_workers: int = Field(2, ge=1, le=64,
+                              description="Worker threads of the in-process LocalCluster: agents at work at once.")
+
+    @field_validator("dask_address")
+    @classmethod
+    def scheduler_address(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^([a-z]+://)?[^\s/:]+(:\d+)?(/\S*)?$", value):
+            raise ValueError(f"{value!r} is not a Dask scheduler address such as tcp://10.0.0.5:8786")
+        return value
+
+    @model_validator(mode="after")
+    def dask_fields_need_dask(self) -> "ExecutionSpec":
+        given = sorted({"dask_address", "dask_workers"} & self.model_fields_set)
+        if self.task_runner != "dask" and given:
+            raise ValueError(f"{', '.join(given)} apply only with task_runner: dask "
+                             f"(task_runner is {self.task_runner!r})")
+        if self.dask_address and "dask_workers" in given:
+            raise ValueError("dask_workers sizes the flow's own LocalCluster; with dask_address the scheduler's "
+                             "cluster brings its own workers: drop one of the two")
+        return self
+
+
 ImportPath = str  # checked by resolve_callable, so every bad path is reported with its location
 
 
@@ -122,6 +155,7 @@ class RunSpec(Strict):
     model_options: dict[str, Any] = Field(default_factory=dict, description="The trainer's model_config (dtype, ...).")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     registry: RegistrySpec = Field(default_factory=RegistrySpec)
+    execution: ExecutionSpec = Field(default_factory=ExecutionSpec)
 
     @property
     def registered_name(self) -> str:
@@ -192,7 +226,9 @@ def constructor_arguments(trainer_class: type) -> set[str]:
 
 
 def spec_hash(spec: RunSpec) -> str:
-    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+    """What the run trains; ``execution`` is left out (the task runner does not change the result)."""
+    data = spec.model_dump(mode="json", exclude={"execution"})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:

@@ -4,7 +4,8 @@ Reads as a table of contents: validate the spec; for every boundary (epoch or Pb
 Prefect transaction keyed by run and boundary whose committed record is that boundary's
 checkpoint path; then evaluation, artifacts and the model registry. A re-run of the same run
 finds the committed boundaries, skips them without executing a task, restores the last
-checkpoint and continues — see docs/pipeline.md ("Resume").
+checkpoint and continues — see docs/pipeline.md ("Resume"). With ``execution.task_runner: dask``
+each agent's share of a stage also runs as its own task on Dask (:mod:`flows.agents`).
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import Flow, flow, get_run_logger
 from prefect.transactions import transaction
 from prefect.utilities.annotations import quote
 
 from comlrl import tracking
 from comlrl.metrics import MetricWindow
-from flows import tasks
+from flows import agents, tasks
 from flows.runs import RunPaths, default_tracking_uri, prepare_run
 from flows.spec import RunSpec, algorithm_of, spec_hash
 
@@ -59,6 +60,8 @@ def start(spec: RunSpec, run: RunPaths, resume_from: str | None, root: str, trac
     callback = tracking.MLflowCallback(identity)
     trainer = tasks.load_entities(spec, root, str(run.workdir), [callback], tracking_uri)
     trainer.run_identity["mlflow"] = identity
+    if spec.execution.task_runner == "dask":  # each agent's generation and backward pass: a task on Dask
+        agents.install(trainer)
     runner = tasks.begin_training(quote(trainer), str(run.checkpoints), resume_from, spec.checkpoint.keep)
     return Session(trainer, runner, identity, callback, MetricWindow())
 
@@ -154,6 +157,13 @@ def train_flow(
         session = start(spec, run, checkpoint, root, tracking_uri)
     tasks.end_training(quote(session.trainer), quote(session.runner))
     return finish(session, spec, run, spec_path, checkpoint)
+
+
+def training_flow(spec: RunSpec) -> Flow:
+    """``train_flow`` with the task runner the spec's ``execution`` section names."""
+    if spec.execution.task_runner == "dask":
+        return train_flow.with_options(task_runner=agents.dask_task_runner(spec.execution))
+    return train_flow
 
 
 def finish(session: Session, spec: RunSpec, run: RunPaths, spec_path: str, checkpoint: str | None) -> dict[str, Any]:

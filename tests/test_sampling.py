@@ -108,7 +108,8 @@ def threaded_map(function, devices):
         return [future.result() for future in reversed(futures)]
 
 
-def test_agents_sampling_side_by_side_give_the_sequential_rollout(tiny_llama, tiny_llama_b):
+@pytest.mark.parametrize("backend", ["comlrl", "transformers"])
+def test_agents_sampling_side_by_side_give_the_sequential_rollout(backend, tiny_llama, tiny_llama_b):
     agents = [AutoModelForCausalLM.from_pretrained(path).eval() for path in (tiny_llama, tiny_llama_b)]
     tokenizers = [AutoTokenizer.from_pretrained(path) for path in (tiny_llama, tiny_llama_b)]
     rows = [{"prompt": prompt} for prompt in PROMPTS]
@@ -118,7 +119,7 @@ def test_agents_sampling_side_by_side_give_the_sequential_rollout(tiny_llama, ti
         torch.manual_seed(3)
         options = {"agent_map": agent_map} if agent_map else {}
         rollouts.append(rollout_episodes(agents, tokenizers, formatters, rows, joint_index(2, 4, "aligned"), 4, 1,
-                                         SamplingParams(max_new_tokens=16), **options))
+                                         SamplingParams(max_new_tokens=16, backend=backend), **options))
     for sequential, threaded in zip(rollouts[0].turns[0].generations, rollouts[1].turns[0].generations):
         assert torch.equal(sequential.completion_ids, threaded.completion_ids)
     # the two agents drew from different streams
