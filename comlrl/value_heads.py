@@ -81,3 +81,19 @@ def sequence_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_m
     ).last_hidden_state
     rows = torch.arange(hidden.shape[0], device=hidden.device)
     return head(hidden[rows, last_token_index(attention_mask)])
+
+
+def distinct_sequence_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """:func:`sequence_values`, computing each distinct row once (no autograd graph is kept).
+
+    A V critic reads the same joint prompt for every generation of it, so at rollout time most
+    rows repeat; the repeats take the value of their first copy.
+    """
+    with torch.no_grad():
+        rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
+        distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+        if distinct.shape[0] == rows.shape[0]:
+            return sequence_values(model, input_ids, attention_mask)
+        width = input_ids.shape[1]
+        values = sequence_values(model, distinct[:, :width], distinct[:, width:].to(attention_mask.dtype))
+        return values[inverse.to(values.device)]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from comlrl.value_heads import ValueHead, attach_value_head, last_token_index, sequence_values
+from comlrl.value_heads import ValueHead, attach_value_head, distinct_sequence_values, last_token_index, sequence_values
 
 TEXTS = ["the cat", "a long story about the river and the hill", "sun"]
 
@@ -60,3 +60,20 @@ def test_model_without_head_is_refused(tiny_llama):
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     with pytest.raises(ValueError, match="has no value_head; attach one"):
         sequence_values(model, torch.tensor([[5, 6]]), torch.tensor([[1, 1]]))
+
+
+def test_distinct_rows_are_evaluated_once_and_every_row_gets_its_value(tiny_llama):
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_llama), AutoTokenizer.from_pretrained(tiny_llama)
+    torch.manual_seed(0)
+    torch.nn.init.normal_(attach_value_head(model).layers[-1].weight)
+    texts = [TEXTS[0], TEXTS[1], TEXTS[0], TEXTS[0], TEXTS[2], TEXTS[1]]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    batch_sizes = []
+    hook = model.base_model.register_forward_pre_hook(lambda module, args, kwargs: batch_sizes.append(
+        kwargs["input_ids"].shape[0]), with_kwargs=True)
+    distinct = distinct_sequence_values(model, encoded["input_ids"], encoded["attention_mask"])
+    hook.remove()
+    every = sequence_values(model, encoded["input_ids"], encoded["attention_mask"])
+    assert batch_sizes == [3]
+    assert torch.allclose(distinct, every, atol=1e-6)
+    assert distinct[0] == distinct[2] == distinct[3] and distinct[1] == distinct[5] and distinct[0] != distinct[1]

@@ -31,7 +31,7 @@ from comlrl.rewards import JointReward
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
 from comlrl.trainers.actor_critic.critics import CriticInput
 from comlrl.trainers.base import MultiAgentTrainer, Stage
-from comlrl.value_heads import attach_value_head, sequence_values
+from comlrl.value_heads import attach_value_head, distinct_sequence_values, sequence_values
 
 # One on-policy pass: the probability ratio is exactly 1, so the PPO clip never binds.
 ON_POLICY_CLIP = 0.2
@@ -191,7 +191,8 @@ class ActorCriticTrainer(MultiAgentTrainer):
         result = []
         for model, model_inputs in zip(self.value_models, inputs):
             model.eval()
-            result.append(episode_matrix([sequence_values(model, i.input_ids, i.attention_mask) for i in model_inputs]))
+            result.append(episode_matrix([distinct_sequence_values(model, i.input_ids, i.attention_mask)
+                                          for i in model_inputs]))
         return result
 
     def advantages(self, rewards: list[torch.Tensor], values: list[torch.Tensor]) -> Estimates:
