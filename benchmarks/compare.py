@@ -42,8 +42,9 @@ def build_model(directory: Path, hidden_size: int) -> Path:
     return directory
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def comparison_parser(description: str, output: str) -> argparse.ArgumentParser:
+    """The options every comparison script shares (workload size, device, peers' venv, output)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -52,17 +53,26 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--peers-python", type=Path, default=PEERS_PYTHON)
+    parser.add_argument("--output", type=Path, default=HERE / "runs" / output)
+    return parser
+
+
+def common_options(args: argparse.Namespace) -> list[str]:
+    """Runner options for ``args``, once the peers' venv is known to exist and the model is built."""
+    if not args.peers_python.exists():
+        sys.exit(f"{args.peers_python} is missing; create it with: bash benchmarks/setup_peers.sh")
+    model_dir = build_model(HERE / "runs" / f"model-h{args.hidden_size}", args.hidden_size)
+    return ["--model-dir", str(model_dir), "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens),
+            "--num-generations", str(args.num_generations), "--device", args.device, "--threads", str(args.threads)]
+
+
+def main() -> None:
+    parser = comparison_parser(__doc__, "compare.json")
     parser.add_argument("--only", choices=("reference", "trl"), help="run one comparison only")
     parser.add_argument("--before", action="store_true",
                         help="also run ours with generation_backend=transformers (before/after of the decode loop)")
-    parser.add_argument("--output", type=Path, default=HERE / "runs" / "compare.json")
     args = parser.parse_args()
-    if not args.peers_python.exists():
-        sys.exit(f"{args.peers_python} is missing; create it with: bash benchmarks/setup_peers.sh")
-
-    model_dir = build_model(HERE / "runs" / f"model-h{args.hidden_size}", args.hidden_size)
-    common = ["--model-dir", str(model_dir), "--steps", str(args.steps), "--max-new-tokens", str(args.max_new_tokens),
-              "--num-generations", str(args.num_generations), "--device", args.device, "--threads", str(args.threads)]
+    common = common_options(args)
     comparisons = {
         "reference": ("run_reference.py", ["--num-agents", "2"]),
         "trl": ("run_trl.py", ["--num-agents", "1"]),

@@ -12,13 +12,11 @@ rollout-time forwards, which the second table breaks out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
-from compare import HERE, OURS_PYTHON, PEERS_PYTHON, build_model, run_runner
+from compare import OURS_PYTHON, comparison_parser, common_options, run_runner
 from report import comparison_table, summarise_runs
 
 # Phases only the actor-critic runners record: (key, label).
@@ -46,24 +44,8 @@ def phase_table(ours: dict[str, float], theirs: dict[str, float], their_name: st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--num-generations", type=int, default=4)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--peers-python", type=Path, default=PEERS_PYTHON)
-    parser.add_argument("--output", type=Path, default=HERE / "runs" / "compare_maac.json")
-    args = parser.parse_args()
-    if not args.peers_python.exists():
-        sys.exit(f"{args.peers_python} is missing; create it with: bash benchmarks/setup_peers.sh")
-
-    model_dir = build_model(HERE / "runs" / f"model-h{args.hidden_size}", args.hidden_size)
-    options = ["--model-dir", str(model_dir), "--num-agents", "2", "--steps", str(args.steps),
-               "--max-new-tokens", str(args.max_new_tokens), "--num-generations", str(args.num_generations),
-               "--device", args.device, "--threads", str(args.threads)]
+    args = comparison_parser(__doc__, "compare_maac.json").parse_args()
+    options = common_options(args) + ["--num-agents", "2"]
     order = [("ours", OURS_PYTHON, "run_ours_maac.py"), ("theirs", args.peers_python, "run_reference_maac.py")]
     results: dict[str, list[dict]] = {"ours": [], "theirs": []}
     for repeat in range(args.repeats):
@@ -71,7 +53,8 @@ def main() -> None:
         shift = repeat % len(order)
         for side, python, runner in order[shift:] + order[:shift]:
             print(f"repeat {repeat + 1}/{args.repeats}: maac / {side}", file=sys.stderr, flush=True)
-            results[side].append(run_runner(python, runner, options))
+            seed = ["--seed", str(repeat)]  # other samples every repeat, as in compare.py
+            results[side].append(run_runner(python, runner, options + seed))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results))
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
+from typing import Any, Callable
 
-from workload import RunResult, StepRecord, PhaseTimer, Workload, joint_reward, runner_parser, versions, PROCESS_START
+from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, runner_parser, versions
 
 
 def build_trainer(workload: Workload, timer: PhaseTimer, generation_backend: str = "comlrl"):
@@ -42,43 +42,31 @@ def build_trainer(workload: Workload, timer: PhaseTimer, generation_backend: str
     )
 
 
+def counted_rollout(rollout: Callable, clock: StepClock) -> Callable:
+    """The trainer's ``rollout`` stage, counting its generated tokens and decode steps on ``clock``."""
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        produced = rollout(*args, **kwargs)
+        clock.count(produced.generated_tokens(),
+                    sum(g.completion_ids.shape[1] for turn in produced.turns for g in turn.generations))
+        return produced
+
+    return counted
+
+
 def run(workload: Workload, generation_backend: str = "comlrl") -> RunResult:
     workload.setup_torch()
     timer = PhaseTimer(workload.device)
     result = RunResult("ours", vars(workload).copy(), versions("torch", "transformers", "comlrl"))
     result.notes.append(f"generation_backend={generation_backend}")
     trainer = build_trainer(workload, timer, generation_backend)
-    tokens = {"count": 0, "decode_steps": 0}
-    rollout, score, update, train_step = trainer.rollout, trainer.score, trainer.update, trainer.train_step
-
-    def counted_rollout(*args, **kwargs):
-        produced = rollout(*args, **kwargs)
-        tokens["count"] += produced.generated_tokens()
-        tokens["decode_steps"] += sum(g.completion_ids.shape[1] for turn in produced.turns for g in turn.generations)
-        return produced
-
-    def timed_step(rows):
-        timer.take()
-        tokens["count"] = tokens["decode_steps"] = 0
-        start, cpu_start = time.perf_counter(), time.process_time()
-        if not result.startup_time:
-            result.startup_time = start - PROCESS_START
-        metrics = train_step(rows)
-        end = time.perf_counter()
-        if not result.first_step_end:
-            result.first_step_end = end - PROCESS_START
-        samples = workload.num_agents * workload.num_generations * len(rows)
-        result.steps.append(StepRecord(end - start, timer.take(), samples, tokens["count"], time.process_time() - cpu_start,
-                                       tokens["decode_steps"]))
-        return metrics
-
-    trainer.rollout = timer.wrap("generation", counted_rollout)
-    trainer.score = timer.wrap("reward", score)
-    trainer.update = timer.wrap("update", update)
-    trainer.train_step = timed_step
+    clock = StepClock(result, timer)
+    trainer.rollout = timer.wrap("generation", counted_rollout(trainer.rollout, clock))
+    trainer.score = timer.wrap("reward", trainer.score)
+    trainer.update = timer.wrap("update", trainer.update)
+    trainer.train_step = clock.timed(trainer.train_step, lambda rows: workload.samples_per_step(len(rows)))
     trainer.train()
-    result.steps = result.steps[workload.warmup_steps:]
-    result.finish(workload.device)
+    result.finish(workload)
     return result
 
 

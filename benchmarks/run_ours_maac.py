@@ -10,11 +10,12 @@ are timed as ``forward``.
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from workload import PROCESS_START, PhaseTimer, RunResult, StepRecord, Workload, joint_reward, runner_parser, versions
+from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, runner_parser, versions
+
+from run_ours import counted_rollout
 
 
 def build_trainer(workload: Workload):
@@ -55,44 +56,16 @@ def build_trainer(workload: Workload):
 
 
 @contextmanager
-def update_forwards_timed(timer: PhaseTimer, modules: list[tuple[Any, str]]) -> Iterator[Callable]:
-    """Time ``module.name`` as ``forward`` while the returned update wrapper runs; restore them after.
-
-    The same functions also run outside the update (the critic's rollout-time values), and
-    those calls belong to their own phase, so a flag says whether the update is running.
-    """
-    updating = [False]
-
-    def forward_in_update(func: Callable) -> Callable:
-        timed = timer.wrap("forward", func)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return (timed if updating[0] else func)(*args, **kwargs)
-
-        call.__wrapped__ = func
-        return call
-
-    originals = [(module, name, getattr(module, name)) for module, name in modules]
-    for module, name, current in originals:
-        setattr(module, name, forward_in_update(getattr(current, "__wrapped__", current)))
-
-    def during_update(func: Callable) -> Callable:
-        timed = timer.wrap("update", func)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            updating[0] = True
-            try:
-                return timed(*args, **kwargs)
-            finally:
-                updating[0] = False
-
-        return call
-
+def patched(replacements: list[tuple[Any, str, Callable]]) -> Iterator[None]:
+    """Module attributes replaced for the run and put back after (the smoke test runs in-process)."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in replacements]
+    for module, name, value in replacements:
+        setattr(module, name, value)
     try:
-        yield during_update
+        yield
     finally:
-        for module, name, current in originals:
-            setattr(module, name, current)
+        for module, name, value in originals:
+            setattr(module, name, value)
 
 
 def run(workload: Workload) -> RunResult:
@@ -104,42 +77,20 @@ def run(workload: Workload) -> RunResult:
     result = RunResult("ours", vars(workload).copy(), versions("torch", "transformers", "comlrl"))
     result.notes.append("MAAC, centralised V critic")
     trainer = build_trainer(workload)
-    tokens = {"count": 0, "decode_steps": 0}
-    rollout, train_step = trainer.rollout, trainer.train_step
-
-    def counted_rollout(*args, **kwargs):
-        produced = rollout(*args, **kwargs)
-        tokens["count"] += produced.generated_tokens()
-        tokens["decode_steps"] += sum(g.completion_ids.shape[1] for turn in produced.turns for g in turn.generations)
-        return produced
-
-    def timed_step(rows):
-        timer.take()
-        tokens["count"] = tokens["decode_steps"] = 0
-        start, cpu_start = time.perf_counter(), time.process_time()
-        if not result.startup_time:
-            result.startup_time = start - PROCESS_START
-        metrics = train_step(rows)
-        end = time.perf_counter()
-        if not result.first_step_end:
-            result.first_step_end = end - PROCESS_START
-        samples = workload.num_agents * workload.num_generations * len(rows)
-        result.steps.append(StepRecord(end - start, timer.take(), samples, tokens["count"], time.process_time() - cpu_start,
-                                       tokens["decode_steps"]))
-        return metrics
-
-    forwards = [(comlrl.policy, "completion_logprobs"), (actor_critic_base, "sequence_values")]
-    with update_forwards_timed(timer, forwards) as during_update:
-        trainer.rollout = timer.wrap("generation", counted_rollout)
+    clock = StepClock(result, timer)
+    # The update's forward passes (each actor's log-probs, the critic's values), timed as "forward".
+    forwards = [(module, name, timer.wrap_inside("update", "forward", getattr(module, name)))
+                for module, name in ((comlrl.policy, "completion_logprobs"), (actor_critic_base, "sequence_values"))]
+    with patched(forwards):
+        trainer.rollout = timer.wrap("generation", counted_rollout(trainer.rollout, clock))
         trainer.score = timer.wrap("reward", trainer.score)
         trainer.critic_inputs = timer.wrap("values", trainer.critic_inputs)
         trainer.values = timer.wrap("values", trainer.values)
         trainer.advantages = timer.wrap("update", trainer.advantages)
-        trainer.update = during_update(trainer.update)
-        trainer.train_step = timed_step
+        trainer.update = timer.wrap("update", trainer.update)
+        trainer.train_step = clock.timed(trainer.train_step, lambda rows: workload.samples_per_step(len(rows)))
         trainer.train()
-    result.steps = result.steps[workload.warmup_steps:]
-    result.finish(workload.device)
+    result.finish(workload)
     return result
 
 

@@ -10,9 +10,7 @@ loss) and ``_drain_ready_buffers`` (the whole update).
 
 from __future__ import annotations
 
-import time
-
-from workload import PROCESS_START, PhaseTimer, RunResult, StepRecord, Workload, joint_reward, model_dtype, runner_parser, versions
+from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, model_dtype, runner_parser, versions
 
 
 def build_trainer(workload: Workload):
@@ -54,37 +52,21 @@ def run(workload: Workload) -> RunResult:
     result = RunResult("reference", vars(workload).copy(), versions("torch", "transformers", "comlrl"))
     trainer = build_trainer(workload)
     trainer.verbose = False
-    tokens = {"count": 0, "decode_steps": 0}
-    generate, step = trainer._generate_completions, trainer._train_step_returns
+    clock = StepClock(result, timer)
+    generate = trainer._generate_completions
 
     def counted_generate(*args, **kwargs):
         produced = generate(*args, **kwargs)
-        tokens["count"] += sum(produced["response_lens"])
-        tokens["decode_steps"] += max(len(ids) for ids in produced["completion_input_ids"][0])
+        clock.count(sum(produced["response_lens"]), max(len(ids) for ids in produced["completion_input_ids"][0]))
         return produced
-
-    def timed_step(batch_item, **kwargs):
-        timer.take()
-        tokens["count"] = tokens["decode_steps"] = 0
-        start, cpu_start = time.perf_counter(), time.process_time()
-        if not result.startup_time:
-            result.startup_time = start - PROCESS_START
-        step(batch_item, **kwargs)
-        end = time.perf_counter()
-        if not result.first_step_end:
-            result.first_step_end = end - PROCESS_START
-        samples = workload.num_agents * workload.num_generations
-        result.steps.append(StepRecord(end - start, timer.take(), samples, tokens["count"], time.process_time() - cpu_start,
-                                       tokens["decode_steps"]))
 
     trainer._generate_completions = timer.wrap("generation", counted_generate)
     trainer._compute_rewards = timer.wrap("reward", trainer._compute_rewards)
     trainer._compute_loss_with_gradients = timer.wrap("forward", trainer._compute_loss_with_gradients)
     trainer._drain_ready_buffers = timer.wrap("update", trainer._drain_ready_buffers)
-    trainer._train_step_returns = timed_step
+    trainer._train_step_returns = clock.timed(trainer._train_step_returns, lambda *args, **kwargs: workload.samples_per_step())
     trainer.train()
-    result.steps = result.steps[workload.warmup_steps:]
-    result.finish(workload.device)
+    result.finish(workload)
     return result
 
 

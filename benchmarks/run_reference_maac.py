@@ -12,11 +12,7 @@ of which ``_policy_eval`` and ``_value_on_prompt_only`` are the forward passes.
 
 from __future__ import annotations
 
-import time
-from typing import Any, Callable
-
-from workload import (PROCESS_START, PhaseTimer, RunResult, StepRecord, Workload, joint_reward, model_dtype, runner_parser,
-                      versions)
+from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, model_dtype, runner_parser, versions
 
 
 def build_trainer(workload: Workload):
@@ -66,57 +62,23 @@ def run(workload: Workload) -> RunResult:
     result.notes.append("MAAC, centralised V critic")
     trainer = build_trainer(workload)
     trainer.verbose = False
-    counts = {"tokens": 0, "decode_steps": 0}
-    updating = [False]
-    generate, run_batch, drain = trainer._generate, trainer._run_batch, trainer._drain_ready_agent_buffers
+    clock = StepClock(result, timer)
+    generate = trainer._generate
 
     def counted_generate(*args, **kwargs):
         produced = generate(*args, **kwargs)
-        counts["tokens"] += sum(produced["response_lens"])
-        counts["decode_steps"] += produced["sequences"].shape[1] - produced["prompt_len"]
+        clock.count(sum(produced["response_lens"]), produced["sequences"].shape[1] - produced["prompt_len"])
         return produced
-
-    def timed_step(batch, epoch_metrics):
-        timer.take()
-        counts["tokens"] = counts["decode_steps"] = 0
-        start, cpu_start = time.perf_counter(), time.process_time()
-        if not result.startup_time:
-            result.startup_time = start - PROCESS_START
-        run_batch(batch, epoch_metrics)
-        end = time.perf_counter()
-        if not result.first_step_end:
-            result.first_step_end = end - PROCESS_START
-        samples = workload.num_agents * workload.num_generations * len(batch)
-        result.steps.append(StepRecord(end - start, timer.take(), samples, counts["tokens"], time.process_time() - cpu_start,
-                                       counts["decode_steps"]))
-
-    def timed_drain(*args, **kwargs):
-        updating[0] = True
-        try:
-            return drain(*args, **kwargs)
-        finally:
-            updating[0] = False
-
-    def by_phase(func: Callable, in_update: str, outside: str | None) -> Callable:
-        """``func`` timed as ``in_update`` inside the update, as ``outside`` (or not at all) elsewhere."""
-        inside_timed = timer.wrap(in_update, func)
-        outside_timed = timer.wrap(outside, func) if outside else func
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return (inside_timed if updating[0] else outside_timed)(*args, **kwargs)
-
-        return call
 
     trainer._generate = timer.wrap("generation", counted_generate)
     reference_maac.call_reward_function = timer.wrap("reward", reference_maac.call_reward_function)
     trainer._critic_value_from_text = timer.wrap("values", trainer._critic_value_from_text)
-    trainer._policy_eval = by_phase(trainer._policy_eval, "forward", "old_logprobs")
-    trainer._value_on_prompt_only = by_phase(trainer._value_on_prompt_only, "forward", None)
-    trainer._drain_ready_agent_buffers = timer.wrap("update", timed_drain)
-    trainer._run_batch = timed_step
+    trainer._policy_eval = timer.wrap_inside("update", "forward", trainer._policy_eval, outside="old_logprobs")
+    trainer._value_on_prompt_only = timer.wrap_inside("update", "forward", trainer._value_on_prompt_only)
+    trainer._drain_ready_agent_buffers = timer.wrap("update", trainer._drain_ready_agent_buffers)
+    trainer._run_batch = clock.timed(trainer._run_batch, lambda batch, *rest: workload.samples_per_step(len(batch)))
     trainer.train()
-    result.steps = result.steps[workload.warmup_steps:]
-    result.finish(workload.device)
+    result.finish(workload)
     return result
 
 

@@ -11,9 +11,8 @@ optimizer step, which runs outside ``training_step``).
 from __future__ import annotations
 
 import tempfile
-import time
 
-from workload import PROCESS_START, PhaseTimer, RunResult, StepRecord, Workload, joint_reward, runner_parser, versions
+from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, runner_parser, versions
 
 
 def trl_reward(prompts, completions, **kwargs):
@@ -58,28 +57,16 @@ def run(workload: Workload) -> RunResult:
     model = AutoModelForCausalLM.from_pretrained(workload.model_dir, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(workload.model_dir)
     tokenizer.padding_side = "left"
-    state = {"start": 0.0, "cpu_start": 0.0, "tokens": 0, "decode_steps": 0}
+    clock = StepClock(result, timer)
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args, trainer_state, control, **kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-            timer.take()
-            state["tokens"] = state["decode_steps"] = 0
-            state["start"], state["cpu_start"] = time.perf_counter(), time.process_time()
-            if not result.startup_time:
-                result.startup_time = state["start"] - PROCESS_START
+            clock.begin()
 
         def on_step_end(self, args, trainer_state, control, **kwargs):
-            if cuda:
-                torch.cuda.synchronize()
-            end = time.perf_counter()
-            if not result.first_step_end:
-                result.first_step_end = end - PROCESS_START
-            phases = timer.take()
-            phases["update"] = max(end - state["start"] - phases.get("prepare", 0.0), 0.0)
-            result.steps.append(StepRecord(end - state["start"], phases, workload.num_generations, state["tokens"],
-                                           time.process_time() - state["cpu_start"], state["decode_steps"]))
+            record = clock.end(workload.num_generations)
+            # TRL's update is the step outside its input preparation (which holds generation and reward).
+            record.phases["update"] = max(record.step_time - record.phases.get("prepare", 0.0), 0.0)
 
     trainer = GRPOTrainer(
         model=model,
@@ -94,8 +81,7 @@ def run(workload: Workload) -> RunResult:
     def counted_generate(prompts):
         produced = generate(prompts)
         completion_ids = produced[1]  # (prompt_ids, completion_ids, ...): lists of token IDs
-        state["tokens"] += sum(len(ids) for ids in completion_ids)
-        state["decode_steps"] += max(len(ids) for ids in completion_ids)
+        clock.count(sum(len(ids) for ids in completion_ids), max(len(ids) for ids in completion_ids))
         return produced
 
     trainer._generate = timer.wrap("generation", counted_generate)
@@ -103,8 +89,7 @@ def run(workload: Workload) -> RunResult:
     trainer._compute_loss = timer.wrap("forward", trainer._compute_loss)
     trainer._prepare_inputs = timer.wrap("prepare", trainer._prepare_inputs)
     trainer.train()
-    result.steps = result.steps[workload.warmup_steps:]
-    result.finish(workload.device)
+    result.finish(workload)
     return result
 
 

@@ -67,6 +67,9 @@ class Workload:
     def total_steps(self) -> int:
         return self.warmup_steps + self.steps
 
+    def samples_per_step(self, prompts: int = 1) -> int:
+        return self.num_agents * self.num_generations * prompts
+
     def rows(self) -> list[dict[str, str]]:
         """One prompt per training step (every runner trains on batches of one prompt)."""
         prompts = [form.format(subject) for subject in SUBJECTS for form in FORMS]
@@ -100,7 +103,7 @@ class PhaseTimer:
         self.totals: dict[str, float] = {}
         self._open: list[str] = []
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.cuda:
             import torch
 
@@ -108,13 +111,13 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        self._sync()
+        self.sync()
         start = time.perf_counter()
         self._open.append(name)
         try:
             yield
         finally:
-            self._sync()
+            self.sync()
             self._open.pop()
             self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
 
@@ -129,6 +132,21 @@ class PhaseTimer:
 
         timed.__wrapped__ = func  # keeps inspect.signature (reward functions are introspected)
         return timed
+
+    def wrap_inside(self, parent: str, name: str, func: Callable, outside: str | None = None) -> Callable:
+        """``func`` timed as ``name`` while phase ``parent`` is open; as ``outside`` (or untimed) elsewhere.
+
+        The same function (a forward pass, say) can run inside the update and at rollout time,
+        and each call belongs to the phase it runs in.
+        """
+        inside_timed = self.wrap(name, func)
+        outside_timed = self.wrap(outside, func) if outside else func
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return (inside_timed if parent in self._open else outside_timed)(*args, **kwargs)
+
+        call.__wrapped__ = func
+        return call
 
     def take(self) -> dict[str, float]:
         totals, self.totals = self.totals, {}
@@ -159,9 +177,11 @@ class RunResult:
     peak_cuda_mb: float | None = None
     notes: list[str] = field(default_factory=list)
 
-    def finish(self, device: str) -> None:
+    def finish(self, workload: "Workload") -> None:
+        """Drop the warm-up steps; record peak memory."""
+        self.steps = self.steps[workload.warmup_steps:]
         self.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        if device.startswith("cuda"):
+        if workload.device.startswith("cuda"):
             import torch
 
             self.peak_cuda_mb = torch.cuda.max_memory_allocated() / 2**20
@@ -173,6 +193,52 @@ class RunResult:
                 handle.write(text)
         else:
             print("RESULT " + text)
+
+
+class StepClock:
+    """Records a run's training steps: wall and CPU time, phases, generated tokens, decode steps, start-up.
+
+    Runners call :meth:`begin` and :meth:`end` around each step (or wrap the library's step
+    function with :meth:`timed`), and :meth:`count` from their wrapped generation function.
+    """
+
+    def __init__(self, result: RunResult, timer: PhaseTimer) -> None:
+        self.result, self.timer = result, timer
+        self.tokens = self.decode_steps = 0
+        self._start = self._cpu_start = 0.0
+
+    def count(self, tokens: int, decode_steps: int) -> None:
+        self.tokens += tokens
+        self.decode_steps += decode_steps
+
+    def begin(self) -> None:
+        self.timer.sync()
+        self.timer.take()
+        self.tokens = self.decode_steps = 0
+        self._start, self._cpu_start = time.perf_counter(), time.process_time()
+        if not self.result.startup_time:
+            self.result.startup_time = self._start - PROCESS_START
+
+    def end(self, samples: int) -> StepRecord:
+        self.timer.sync()
+        end = time.perf_counter()
+        if not self.result.first_step_end:
+            self.result.first_step_end = end - PROCESS_START
+        record = StepRecord(end - self._start, self.timer.take(), samples, self.tokens,
+                            time.process_time() - self._cpu_start, self.decode_steps)
+        self.result.steps.append(record)
+        return record
+
+    def timed(self, step: Callable, samples: Callable[..., int]) -> Callable:
+        """``step`` recorded as one training step; ``samples(*args)`` counts its samples."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.begin()
+            value = step(*args, **kwargs)
+            self.end(samples(*args, **kwargs))
+            return value
+
+        return call
 
 
 def versions(*names: str) -> dict[str, str]:
