@@ -14,6 +14,13 @@ samples all end early never leaves another waiting, and decoding pays no all-gat
 the price is one full copy of the agent's weights (not its gradients or optimizer state) while
 sampling.
 
+Value heads and backbones: a value head (``model.value_head``, not a registered submodule) is an
+FSDP unit of its own, so a critic's optimizer steps DTensors only. Value forwards call the backbone
+(``model.base_model``), not ``model.forward`` where FSDP's root hooks sit, so the backbone runs
+those hooks itself when called from outside the model's forward (as torch's
+``register_fsdp_forward_method`` does for other methods); value forwards without autograd are
+gathered like generation.
+
 Checkpoints and ``save_model`` gather full, unsharded weights and optimizer state to rank 0
 (in the ordinary single-process formats); loading broadcasts them from rank 0 and every rank
 keeps its shard, so checkpoints move freely between sharded and unsharded runs of any size.
@@ -34,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
 TRUE_VALUES = ("1", "true", "yes")
 FALSE_VALUES = ("0", "false", "no")
@@ -98,6 +106,20 @@ class FSDPSettings:
 
 def is_sharded(module: torch.nn.Module) -> bool:
     return isinstance(module, FSDPModule)
+
+
+def holds_shards(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is or contains an FSDP unit (e.g. a model with its value head)."""
+    return any(is_sharded(part) for part in module.modules())
+
+
+def unsharded_parts(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The largest parts of ``module`` outside every FSDP unit: whose gradients still need averaging."""
+    if is_sharded(module):
+        return []
+    if not holds_shards(module):
+        return [module]
+    return [part for child in module.children() for part in unsharded_parts(child)]
 
 
 def model_class(module: torch.nn.Module) -> type:
@@ -196,13 +218,47 @@ def shard_model(model: torch.nn.Module, settings: FSDPSettings, device: torch.de
     hook = _GatherForGeneration(model, layers, settings.reshard_after_forward)
     model.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
     _HOOKS[model] = hook
+    _route_backbone_through_root(model, hook)
     return model
 
 
+def shard_module(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """One FSDP unit over all processes for a small module called on its own (a value head)."""
+    return shard_model(module, FSDPSettings(wrap_layers=False), device)
+
+
+def _route_backbone_through_root(model: FSDPModule, hook: _GatherForGeneration) -> None:
+    """A call of ``model.base_model`` from outside ``model.forward`` runs the root's FSDP hooks (and the
+    gather hook) around it, so its root weights are gathered and its gradients reduced as in a full forward."""
+    backbone = getattr(model, "base_model", model)
+    if backbone is model:
+        return
+    state = model._get_fsdp_state()
+    entered: list[bool] = []
+
+    def before(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        if state._training_state != TrainingState.IDLE:
+            return None  # inside the model's own forward: its hooks already ran
+        hook(model, args, kwargs)
+        entered.append(True)
+        return state._pre_forward(model, args, kwargs)
+
+    def after(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not entered:
+            return None
+        entered.pop()
+        return state._post_forward(model, args, output)
+
+    backbone.register_forward_pre_hook(before, prepend=True, with_kwargs=True)
+    backbone.register_forward_hook(after)
+
+
 def _release(model: torch.nn.Module) -> None:
-    hook = _HOOKS.get(model)
-    if hook is not None:
-        hook.release()
+    """Every FSDP unit in ``model`` back to shards (see :meth:`_GatherForGeneration.release`)."""
+    for part in model.modules():
+        hook = _HOOKS.get(part)
+        if hook is not None:
+            hook.release()
 
 
 # ----- full state in, full state out (every rank calls these: they are collectives) ---------------
@@ -316,15 +372,21 @@ def export_models(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], 
             tokenizer.save_pretrained(directory)
 
 
-def gather_checkpoint(modules: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer]
+def gather_checkpoint(modules: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer],
+                      optimizer_modules: dict[str, torch.nn.Module] | None = None
                       ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What a checkpoint writes: each sharded model, and the optimizer of the same name, replaced by its
-    gathered full state (see :func:`gather_model_state`); everything else passed through as it is."""
-    sharded = {name for name, module in modules.items() if is_sharded(module)}
-    missing = sorted(sharded - set(optimizers))
+    """What a checkpoint writes: each sharded model, and each optimizer of sharded parameters, replaced by
+    its gathered full state (see :func:`gather_model_state`); everything else passed through as it is.
+
+    ``optimizer_modules`` names the module holding each optimizer's parameters (default: the module of
+    the optimizer's name), e.g. a critic with its value head."""
+    owners = {**{name: modules[name] for name in optimizers if name in modules}, **(optimizer_modules or {})}
+    covered = {id(part) for name in optimizers if name in owners for part in owners[name].modules()}
+    missing = sorted(name for name, module in modules.items() if is_sharded(module) and id(module) not in covered)
     if missing:
-        raise ValueError(f"sharded models {missing} have no optimizer of the same name to gather with them")
-    weights = {name: gather_model_state(module) if name in sharded else module for name, module in modules.items()}
-    states = {name: gather_optimizer_state(modules[name], optimizer) if name in sharded else optimizer
+        raise ValueError(f"sharded models {missing} have no optimizer to gather with them")
+    weights = {name: gather_model_state(module) if is_sharded(module) else module for name, module in modules.items()}
+    states = {name: gather_optimizer_state(owners[name], optimizer)
+              if name in owners and holds_shards(owners[name]) else optimizer
               for name, optimizer in optimizers.items()}
     return weights, states

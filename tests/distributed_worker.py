@@ -8,16 +8,19 @@ so their gradients may differ only by float summation order.
 Launched with ``ACCELERATE_USE_FSDP=true FSDP_VERSION=2`` (what ``accelerate launch`` with
 infra/accelerate/fsdp.yaml sets), the agents are sharded (tests/test_fsdp.py); the worker then
 also exports the agents, samples a different number of tokens on each rank, and, given a
-1-process checkpoint, resumes it for a second step.
+1-process checkpoint, resumes it for a second step. With ``--trainer maac`` or ``iac`` it runs
+two steps of that actor-critic trainer (critics from MODEL_DIR; ``iac_shared``: value heads on the
+actors) instead, saving every module's
+gathered weights, its checkpoints and an export.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py MODEL_DIR PROMPTS_JSON OUT_DIR [CHECKPOINT]
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py MODEL_DIR PROMPTS_JSON OUT_DIR [CHECKPOINT] [--trainer maac]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import zlib
 from pathlib import Path
 
@@ -30,6 +33,7 @@ from comlrl import sharding  # noqa: E402
 from comlrl.episodes import Rollout, Turn  # noqa: E402
 from comlrl.rollout import Generation, generate_completions  # noqa: E402
 from comlrl.sampling import SamplingParams  # noqa: E402
+from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer  # noqa: E402
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 
 
@@ -52,8 +56,8 @@ def merge_generations(parts: list[Generation], pad_token_id: int) -> Generation:
     )
 
 
-class PerPromptSeededMAGRPO(MAGRPOTrainer):
-    """MAGRPO whose (one-turn) rollout samples each prompt under its own seed."""
+class PerPromptSeeded:
+    """Mixin: a trainer whose (one-turn) rollout samples each prompt under its own seed."""
 
     def rollout(self, rows, row_labels=None):
         singles = []
@@ -76,6 +80,18 @@ class PerPromptSeededMAGRPO(MAGRPOTrainer):
         return Rollout(rows=list(rows), turns=[turn], joint_index=singles[0].joint_index)
 
 
+class PerPromptSeededMAGRPO(PerPromptSeeded, MAGRPOTrainer):
+    pass
+
+
+class PerPromptSeededMAAC(PerPromptSeeded, MAACTrainer):
+    pass
+
+
+class PerPromptSeededIAC(PerPromptSeeded, IACTrainer):
+    pass
+
+
 def letter_reward(completions_0, completions_1):
     return [(a.count("e") + b.count("o")) / max(len(a) + len(b), 1) for a, b in zip(completions_0, completions_1)]
 
@@ -92,6 +108,35 @@ def build(model_dir: str, prompts: list[str], per_device_batch: int, epochs: int
         agent_model=model_dir, num_agents=2, reward_func=letter_reward,
         train_dataset=Dataset.from_dict({"prompt": prompts}), args=args,
     )
+
+
+def build_actor_critic(kind: str, model_dir: str, prompts: list[str], per_device_batch: int, epochs: int
+                       ) -> PerPromptSeededMAAC | PerPromptSeededIAC:
+    """MAAC, IAC with separate critics, or IAC with heads on the actors (``iac_shared``); MLP value heads,
+    so the value models' backbones train from step 2 (a head's output layer starts at zero)."""
+    from datasets import Dataset
+
+    common = dict(
+        num_agents=2, num_generations=2, max_new_tokens=6, temperature=1.0, agent_learning_rate=1e-3,
+        critic_learning_rate=1e-3, max_grad_norm=None, per_device_train_batch_size=per_device_batch,
+        num_train_epochs=epochs, seed=11, device="cpu", disable_tqdm=True,
+    )
+    data = Dataset.from_dict({"prompt": prompts})
+    if kind == "maac":
+        return PerPromptSeededMAAC(agent_model=model_dir, critic_model=model_dir, num_agents=2, reward_func=letter_reward,
+                                   train_dataset=data, args=MAACConfig(**common),
+                                   model_config={"critic_value_head_hidden_dim": 8})
+    if kind == "iac_shared":
+        return PerPromptSeededIAC(agent_model=model_dir, num_agents=2, reward_func=letter_reward, train_dataset=data,
+                                  args=IACConfig(use_separate_critic=False, value_head_hidden_dim=8, **common))
+    return PerPromptSeededIAC(agent_model=model_dir, critic_model=model_dir, num_agents=2, reward_func=letter_reward,
+                              train_dataset=data, args=IACConfig(critic_value_head_hidden_dim=8, **common))
+
+
+def module_weights(trainer: PerPromptSeeded) -> dict[str, dict[str, torch.Tensor]]:
+    """Every checkpointed module's full weights (actors, critics, value heads) on rank 0; every rank calls this."""
+    return {name: sharding.gather_model_state(module) if sharding.is_sharded(module) else module.state_dict()
+            for name, module in trainer.checkpoint_modules().items()}
 
 
 def full_weights(trainer: PerPromptSeededMAGRPO) -> list[dict[str, torch.Tensor]]:
@@ -116,9 +161,26 @@ def sample_unevenly(trainer: PerPromptSeededMAGRPO, prompt: str, out: Path) -> N
         torch.save(generation.completion_ids, out / f"sampled_{backend}_{rank}.pt")
 
 
-def main(model_dir: str, prompts_file: str, out_dir: str, resume: str | None = None) -> None:
+def run_actor_critic(kind: str, model_dir: str, prompts: list[str], out: Path) -> None:
+    """Two sharded steps (checkpoint after each), then every module's gathered weights and an export."""
+    trainer = build_actor_critic(kind, model_dir, prompts, per_device_batch=len(prompts) // 2, epochs=2)
+    assert trainer.data_parallel.fsdp is not None and trainer.data_parallel.world_size == 2
+    assert all(sharding.is_sharded(model) and sharding.is_sharded(model.value_head) for model in trainer.value_models)
+    history = trainer.train(checkpoint_dir=out / "checkpoints")
+    weights = module_weights(trainer)
+    trainer.save_model(out / "export")
+    if trainer.data_parallel.is_main:
+        torch.save(weights, out / "weights.pt")
+        (out / "history.json").write_text(json.dumps(history))
+
+
+def main(model_dir: str, prompts_file: str, out_dir: str, resume: str | None = None, trainer_kind: str = "magrpo"
+         ) -> None:
     prompts = json.loads(Path(prompts_file).read_text())
     out = Path(out_dir)
+    if trainer_kind != "magrpo":
+        run_actor_critic(trainer_kind, model_dir, prompts, out)
+        return
     trainer = build(model_dir, prompts, per_device_batch=len(prompts) // 2, epochs=1)
     assert trainer.data_parallel.world_size == 2, trainer.data_parallel
     sharded = trainer.data_parallel.fsdp is not None
@@ -145,4 +207,10 @@ def main(model_dir: str, prompts_file: str, out_dir: str, resume: str | None = N
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    parser = argparse.ArgumentParser()
+    for name in ("model_dir", "prompts_file", "out_dir"):
+        parser.add_argument(name)
+    parser.add_argument("resume", nargs="?")
+    parser.add_argument("--trainer", default="magrpo", choices=("magrpo", "maac", "iac", "iac_shared"))
+    arguments = parser.parse_args()
+    main(arguments.model_dir, arguments.prompts_file, arguments.out_dir, arguments.resume, arguments.trainer)

@@ -1,7 +1,8 @@
 """FSDP: a 2-process torchrun (gloo) MAGRPO step with sharded agents equals a 1-process step over the
 same global batch; checkpoints move between sharded and unsharded runs in both directions;
 sharded agents sample without waiting on each other and export ordinary model directories;
-and the launch settings are read (or refused) as accelerate's FSDP config sets them.
+the same holds for MAAC and IAC with sharded critics and value heads; and the launch settings
+are read (or refused) as accelerate's FSDP config sets them.
 
 The worker is tests/distributed_worker.py, launched with the variables ``accelerate launch
 --config_file infra/accelerate/fsdp.yaml`` sets.
@@ -20,8 +21,8 @@ from comlrl.distributed import check_launch
 from comlrl.rollout import generate_completions
 from comlrl.sampling import SamplingParams
 from comlrl.sharding import FSDPSettings, check_shardable
-from comlrl.trainers.actor_critic import IACTrainer
-from distributed_worker import build, uneven_lengths
+from comlrl.trainers.preference import MARLHFTrainer
+from distributed_worker import build, build_actor_critic, uneven_lengths
 from test_distributed import ROOT, assert_weights_close, checkpoint_weights, equal_length_prompts, free_port
 
 FSDP_LAUNCH = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
@@ -129,9 +130,82 @@ def test_unsupported_fsdp_settings_are_refused_before_loading(monkeypatch, varia
 def test_what_fsdp_cannot_shard_is_refused_before_loading():
     cpu = torch.device("cpu")
     check_shardable("MAGRPOTrainer", None, None, [cpu, cpu])
-    with pytest.raises(ValueError, match="IACTrainer cannot shard its models with FSDP: value heads.*multi_gpu.yaml"):
-        check_shardable("IACTrainer", IACTrainer.fsdp_refusal, None, [cpu])
+    with pytest.raises(ValueError, match="MARLHFTrainer cannot shard its models with FSDP: the joint reward.*multi_gpu"):
+        check_shardable("MARLHFTrainer", MARLHFTrainer.fsdp_refusal, None, [cpu])
     with pytest.raises(ValueError, match="lora_rank=8 cannot be combined with FSDP"):
         check_shardable("MAGRPOTrainer", None, 8, [cpu])
     with pytest.raises(ValueError, match=r"placed on \['cpu', 'meta'\]; use device='auto' with one GPU per process"):
         check_shardable("MAGRPOTrainer", None, None, [cpu, torch.device("meta")])
+
+
+# ----- actor-critic: sharded critics and value heads ----------------------------------------------
+# Per trainer kind (tests/distributed_worker.py): the models carrying value heads (iac_shared: the actors).
+VALUE_MODELS = {"maac": ["critic"], "iac": ["critic_0", "critic_1"], "iac_shared": ["agent_0", "agent_1"]}
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_MODELS))
+def actor_critic_runs(request, tiny_llama, tmp_path_factory):
+    """A 1-process run of two steps, then the 2-process FSDP worker over the same global batches."""
+    kind = request.param
+    out = tmp_path_factory.mktemp(f"fsdp_{kind}")
+    prompts = equal_length_prompts(tiny_llama)
+    (out / "prompts.json").write_text(json.dumps(prompts))
+    single = build_actor_critic(kind, tiny_llama, prompts, per_device_batch=4, epochs=2)
+    single_history = single.train(checkpoint_dir=out / "single")
+    env = {**os.environ, **FSDP_LAUNCH, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(ROOT / "tests" / "distributed_worker.py"),
+        tiny_llama, str(out / "prompts.json"), str(out), "--trainer", kind,
+    ]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return kind, out, prompts, single, single_history
+
+
+def full_modules(trainer):
+    return {name: module.state_dict() for name, module in trainer.checkpoint_modules().items()}
+
+
+def assert_modules_close(expected, actual, atol):
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        assert_weights_close([expected[name]], [actual[name]], atol)
+
+
+def test_sharded_actor_critic_steps_equal_one_process_steps(actor_critic_runs, tiny_llama):
+    kind, out, _, single, single_history = actor_critic_runs
+    parallel = json.loads((out / "history.json").read_text())
+    critics = VALUE_MODELS[kind]
+    for step in range(2):
+        for key in ["agent_0/grad_norm", "agent_1/grad_norm", "reward_mean"] + [f"{c}/grad_norm" for c in critics]:
+            assert parallel[step][key] == pytest.approx(single_history[step][key], rel=1e-4, abs=1e-6), (step, key)
+        for key in [f"{c}/value_loss" for c in critics]:
+            assert parallel[step][key] == pytest.approx(single_history[step][key], rel=1e-4, abs=1e-7), (step, key)
+    assert single_history[1][f"{critics[0]}/grad_norm"] > 0
+    weights = torch.load(out / "weights.pt", weights_only=True)
+    expected = full_modules(single)
+    assert set(expected) == {"agent_0", "agent_1", *critics, *(f"{c}_value_head" for c in critics)}
+    assert_modules_close(expected, weights, atol=1e-5)
+    # The critic's backbone trained (its head's output layer starts at zero, so from step 2).
+    initial = AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict()
+    moved = max(float((weights[critics[0]][name] - tensor).abs().max()) for name, tensor in initial.items()
+                if name in weights[critics[0]])
+    assert moved > 1e-4
+    exported_head = torch.load(out / "export" / critics[0] / "value_head.pt", weights_only=True)
+    for name, tensor in exported_head.items():
+        torch.testing.assert_close(tensor, weights[f"{critics[0]}_value_head"][name], rtol=0, atol=0)
+    exported = AutoModelForCausalLM.from_pretrained(out / "export" / critics[0])
+    for name, tensor in exported.state_dict().items():
+        torch.testing.assert_close(tensor, weights[critics[0]][name], rtol=0, atol=0, msg=name)
+
+
+def test_sharded_actor_critic_checkpoint_resumes_in_one_process(actor_critic_runs, tiny_llama):
+    kind, out, prompts, single, single_history = actor_critic_runs
+    resumed = build_actor_critic(kind, tiny_llama, prompts, per_device_batch=4, epochs=2)
+    history = resumed.train(resume_from_checkpoint=out / "checkpoints" / "checkpoint-1")
+    assert resumed.state.global_step == 2
+    critic = VALUE_MODELS[kind][0]
+    assert history[1][f"{critic}/grad_norm"] == pytest.approx(single_history[1][f"{critic}/grad_norm"], rel=1e-4)
+    assert_modules_close(full_modules(single), full_modules(resumed), atol=1e-5)

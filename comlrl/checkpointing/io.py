@@ -185,12 +185,12 @@ def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
 
 def load_optimizers(path: Path, optimizers: dict[str, Any], schedulers: dict[str, Any] | None = None,
                     modules: dict[str, torch.nn.Module] | None = None) -> None:
-    """Optimizer states (the optimizer of a sharded module in ``modules``, same name, loads through
-    :mod:`comlrl.sharding`) and LR schedules."""
+    """Optimizer states (an optimizer whose module in ``modules``, same name, holds sharded parameters
+    loads through :mod:`comlrl.sharding`) and LR schedules."""
     for name, optimizer in optimizers.items():
         file = path / "optimizers" / f"{name}.pt"
         module = (modules or {}).get(name)
-        if module is not None and sharding.is_sharded(module):
+        if module is not None and sharding.holds_shards(module):
             where = f"checkpoint {str(path)!r}, optimizer {name!r}"
             sharding.load_optimizer_state(module, optimizer, lambda: load_pt(file), where)
         else:

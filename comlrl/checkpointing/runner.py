@@ -1,7 +1,8 @@
 """Connects a trainer's ``train()`` to checkpoints: resume at the start, save at boundaries.
 
 A trainer exposes ``checkpoint_modules()``, ``checkpoint_optimizers()`` and
-``compat_settings()`` (and optionally ``save_extra``/``load_extra``); this module owns
+``compat_settings()`` (and optionally ``save_extra``/``load_extra``, and ``optimizer_modules()``
+where an optimizer steps more than the module of its name); this module owns
 everything else: when to save, what the metadata holds, and what makes a resume incompatible.
 """
 
@@ -93,7 +94,8 @@ class CheckpointRunner:
         trainer = self.trainer
         modules = trainer.checkpoint_modules()
         io.load_modules(self.resume_path, modules)
-        io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers(), self._schedulers(), modules)
+        io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers(), self._schedulers(),
+                           self._optimizer_modules())
         state = dict(metadata["state"])
         state["history"] = json.loads((self.resume_path / io.HISTORY_FILE).read_text())
         trainer.state = type(trainer.state)(**state)
@@ -128,6 +130,10 @@ class CheckpointRunner:
             if fingerprint != metadata["models"][name]:
                 raise ValueError(f"{where}: {name}: {_describe_shape_difference(metadata['models'][name], fingerprint)}")
         trainer.check_resume_progress(metadata["state"])
+
+    def _optimizer_modules(self) -> dict[str, torch.nn.Module]:
+        """The module holding each checkpointed optimizer's parameters (sharded ones gather and load by them)."""
+        return getattr(self.trainer, "optimizer_modules", self.trainer.checkpoint_modules)()
 
     def _schedulers(self) -> dict[str, Any]:
         """The LR schedule of each checkpointed optimizer, under the optimizer's name."""
@@ -164,8 +170,9 @@ class CheckpointRunner:
         """
         name = name or f"{io.CHECKPOINT_PREFIX}{self.trainer.state.boundaries}"
         parallel = getattr(self.trainer, "data_parallel", None)
-        modules, optimizers = sharding.gather_checkpoint(self.trainer.checkpoint_modules(),
-                                                         self.trainer.checkpoint_optimizers())
+        modules, optimizers = sharding.gather_checkpoint(
+            self.trainer.checkpoint_modules(), self.trainer.checkpoint_optimizers(), self._optimizer_modules()
+        )
         if parallel is not None and not parallel.is_main:
             parallel.barrier()
             self.last_saved = self.trainer.state.boundaries

@@ -134,7 +134,8 @@ class MultiAgentTrainer:
             lora.require_peft()
         self.check_before_loading(sources)
         if self.data_parallel.fsdp is not None:
-            sharding.check_shardable(type(self).__name__, self.fsdp_refusal, self.args.lora_rank, self.agent_devices)
+            sharding.check_shardable(type(self).__name__, self.fsdp_refusal, self.args.lora_rank,
+                                     self.agent_devices + list(getattr(self, "critic_devices", [])))
 
         set_seed(self.args.seed)
         tokenizers = entities.resolve_tokenizers(
@@ -428,7 +429,7 @@ class MultiAgentTrainer:
 
         Sharded models' gradients are DTensors: ``clip_grad_norm_`` computes their global norm.
         """
-        self.data_parallel.average_gradients(models)
+        self.data_parallel.average_gradients([part for model in models for part in sharding.unsharded_parts(model)])
         norms = []
         skipped = 0
         for optimizer, model in zip(optimizers, models):

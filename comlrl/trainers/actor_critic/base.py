@@ -8,6 +8,9 @@ another trainer (MARLHF's policy stage) can drive it with its own reward:
     -> advantages(rewards, values) -> update(rollout, inputs, estimates, values)
 
 Subclasses decide which models carry value heads and what each critic reads.
+
+Under FSDP the critics are sharded as the actors are, and every value head is an FSDP unit of
+its own (comlrl/sharding.py); checkpoints and exports hold full, unsharded weights.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from comlrl import entities
+from comlrl import entities, sharding
 from comlrl.algorithms.advantages import gae, joint_index, normalize
 from comlrl.algorithms.losses import value_loss
 from comlrl.episodes import Rollout, rollout_episodes, score_rollout
@@ -31,7 +34,7 @@ from comlrl.rewards import JointReward
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
 from comlrl.trainers.actor_critic.critics import CriticInput
 from comlrl.trainers.base import MultiAgentTrainer, Stage
-from comlrl.value_heads import attach_value_head, distinct_sequence_values, sequence_values
+from comlrl.value_heads import ValueHead, attach_value_head, distinct_sequence_values, sequence_values
 
 # One on-policy pass: the probability ratio is exactly 1, so the PPO clip never binds.
 ON_POLICY_CLIP = 0.2
@@ -56,8 +59,6 @@ class ActorCriticTrainer(MultiAgentTrainer):
     config_class = ActorCriticConfig
     args: ActorCriticConfig
     tokenizer_explicit_for_lists = True
-    fsdp_refusal = ("value heads and critics are not sharded yet (a head attached to a sharded actor would "
-                    "train unsynchronised)")
 
     def __init__(
         self,
@@ -87,8 +88,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
         self.joint_index = joint_index(self.num_agents, self.args.num_generations, "aligned")
         self.critics = self._load_critics(critic_sources)
         self.critic_sources = [entities.model_name(source) for source in critic_sources]
-        for model in self.value_models:
-            attach_value_head(model, self.value_head_hidden_dim())
+        self.attach_value_heads()
         if self.critics:
             self.critic_optimizers = [
                 self._make_optimizer(list(c.parameters()) + list(c.value_head.parameters()), self.args.critic_learning_rate)
@@ -138,6 +138,16 @@ class ActorCriticTrainer(MultiAgentTrainer):
         """Validate trainer-specific ``model_config`` values before anything is loaded."""
 
     # ----- entities -----------------------------------------------------------------------------
+    def attach_value_heads(self) -> None:
+        """A new head on every value model; under FSDP rank 0's head, sharded over the processes."""
+        fsdp = self.data_parallel.fsdp
+        devices = self.critic_devices if self.critics else self.agent_devices
+        for model, device in zip(self.value_models, devices):
+            head = attach_value_head(model, self.value_head_hidden_dim())
+            if fsdp is not None:
+                self.data_parallel.broadcast_parameters([head])
+                sharding.shard_module(head, device)
+
     @property
     def value_models(self) -> list[torch.nn.Module]:
         """Models that carry a ``value_head``: the critics, or the actors when they share their backbone."""
@@ -156,11 +166,16 @@ class ActorCriticTrainer(MultiAgentTrainer):
         # A model object also used as an actor must not become that actor's critic in place.
         sources = [copy.deepcopy(s) if any(s is agent for agent in self.agents) else s for s in sources]
         tokenizers = [self.tokenizers[self.critic_tokenizer_index(k)] for k in range(len(sources))]
-        loaded = entities.load_models(sources, tokenizers, self.critic_devices, self.dtype, "critic", self.args.trust_remote_code)
+        fsdp = self.data_parallel.fsdp
+        # Critics to be sharded load on CPU; sharding puts each process's shards on its device.
+        devices = [torch.device("cpu")] * len(sources) if fsdp is not None else self.critic_devices
+        loaded = entities.load_models(sources, tokenizers, devices, self.dtype, "critic", self.args.trust_remote_code)
         if self.args.gradient_checkpointing:
             enable_gradient_checkpointing(loaded.models)
         self.data_parallel.broadcast_parameters(loaded.models)
-        return loaded.models
+        if fsdp is None:
+            return loaded.models
+        return [sharding.shard_model(model, fsdp, device) for model, device in zip(loaded.models, self.critic_devices)]
 
     def critic_placement(self, sources: list[Any]) -> list[torch.device]:
         """Checked critic devices (before anything loads): ``critic_device``, or each critic beside its actor."""
@@ -263,6 +278,8 @@ class ActorCriticTrainer(MultiAgentTrainer):
             targets = returns[:, turn].to(values.device)
             valid = ~torch.isnan(targets)  # dropped rewards
             if not bool(valid.any()):
+                if sharding.holds_shards(model):  # a zero backward: every rank joins the same reduce-scatters
+                    (values.sum() * 0.0).backward()
                 continue
             loss = value_loss(
                 values[valid], targets[valid], old_values[:, turn].to(values.device)[valid], self.args.value_clip_range
@@ -321,6 +338,13 @@ class ActorCriticTrainer(MultiAgentTrainer):
         optimizers.update(dict(zip(self.critic_names(), self.critic_optimizers)))
         return optimizers
 
+    def optimizer_modules(self) -> dict[str, torch.nn.Module]:
+        """The module holding each checkpointed optimizer's parameters: a value model's also steps its head."""
+        modules = super().checkpoint_modules()
+        for name, model in zip(self.value_model_names(), self.value_models):
+            modules[name] = self._with_head(model)
+        return modules
+
     def compat_settings(self) -> dict[str, Any]:
         return {
             **super().compat_settings(),
@@ -332,9 +356,26 @@ class ActorCriticTrainer(MultiAgentTrainer):
     def save_model(self, output_dir: str | Path) -> Path:
         """Actors to ``agent_i/``, critics to their own directories, every value head as ``value_head.pt``."""
         output_dir = super().save_model(output_dir)
-        if self.data_parallel.is_main:
-            save_pretrained_models(self.critics, self.critic_tokenizers, [output_dir / name for name in self.critic_names()])
-            for name, model in zip(self.value_model_names(), self.value_models):
-                save_value_head(model.value_head, output_dir / name)
+        directories = [output_dir / name for name in self.critic_names()] if self.critics else []
+        if self.data_parallel.fsdp is not None:  # every rank gathers, rank 0 writes
+            sharding.export_models(self.critics, self.critic_tokenizers, directories)
+        elif self.data_parallel.is_main:
+            save_pretrained_models(self.critics, self.critic_tokenizers, directories)
+        for name, model in zip(self.value_model_names(), self.value_models):
+            head = unsharded_head(model.value_head)
+            if self.data_parallel.is_main:
+                save_value_head(head, output_dir / name)
         self.data_parallel.barrier()
         return output_dir
+
+
+def unsharded_head(head: ValueHead) -> ValueHead:
+    """``head`` itself, or for a sharded one an ordinary copy with its gathered weights on rank 0
+    (every rank calls this: it is a collective)."""
+    if not sharding.is_sharded(head):
+        return head
+    state = sharding.gather_model_state(head)
+    plain = ValueHead(head.input_size, head.hidden_dim)
+    if state:
+        plain.load_state_dict(state)
+    return plain
