@@ -54,19 +54,25 @@ def assert_weights_close(expected, actual, atol):
             torch.testing.assert_close(agent_actual[name], agent_expected[name], rtol=0, atol=atol, msg=name)
 
 
+def launch_worker(model_dir: str, out, *arguments: str, env: dict[str, str] | None = None) -> None:
+    """tests/distributed_worker.py in 2 gloo processes under torchrun, reading ``out/prompts.json``."""
+    environment = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port()), str(ROOT / "tests" / "distributed_worker.py"),
+        model_dir, str(out / "prompts.json"), str(out), *arguments,
+    ]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
     prompts = equal_length_prompts(tiny_llama)
     (out / "prompts.json").write_text(json.dumps(prompts))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(ROOT / "tests" / "distributed_worker.py"),
-        tiny_llama, str(out / "prompts.json"), str(out),
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launch_worker(tiny_llama, out)
     return out, prompts
 
 

@@ -9,9 +9,6 @@ The worker is tests/distributed_worker.py, launched with the variables ``acceler
 """
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,7 +20,7 @@ from comlrl.sampling import SamplingParams
 from comlrl.sharding import FSDPSettings, check_shardable
 from comlrl.trainers.preference import MARLHFTrainer
 from distributed_worker import build, build_actor_critic, uneven_lengths
-from test_distributed import ROOT, assert_weights_close, checkpoint_weights, equal_length_prompts, free_port
+from test_distributed import assert_weights_close, checkpoint_weights, equal_length_prompts, launch_worker
 
 FSDP_LAUNCH = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
                "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_OFFLOAD_PARAMS": "false",
@@ -39,15 +36,7 @@ def runs(tiny_llama, tmp_path_factory):
     (out / "prompts.json").write_text(json.dumps(prompts))
     single = build(tiny_llama, prompts, per_device_batch=4, epochs=2)
     single_history = single.train(checkpoint_dir=out / "single")
-    env = {**os.environ, **FSDP_LAUNCH, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(ROOT / "tests" / "distributed_worker.py"),
-        tiny_llama, str(out / "prompts.json"), str(out), str(out / "single" / "checkpoint-1"),
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launch_worker(tiny_llama, out, str(out / "single" / "checkpoint-1"), env=FSDP_LAUNCH)
     return out, prompts, single, single_history
 
 
@@ -152,15 +141,7 @@ def actor_critic_runs(request, tiny_llama, tmp_path_factory):
     (out / "prompts.json").write_text(json.dumps(prompts))
     single = build_actor_critic(kind, tiny_llama, prompts, per_device_batch=4, epochs=2)
     single_history = single.train(checkpoint_dir=out / "single")
-    env = {**os.environ, **FSDP_LAUNCH, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(ROOT / "tests" / "distributed_worker.py"),
-        tiny_llama, str(out / "prompts.json"), str(out), "--trainer", kind,
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    launch_worker(tiny_llama, out, "--trainer", kind, env=FSDP_LAUNCH)
     return kind, out, prompts, single, single_history
 
 
