@@ -18,6 +18,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
+BACKENDS = ("comlrl", "transformers")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -26,6 +29,10 @@ class SamplingParams:
     max_new_tokens: int = 32
     do_sample: bool = True
     backend: str = "comlrl"  # "comlrl": decode() below; "transformers": model.generate
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"SamplingParams.backend must be one of {BACKENDS}, got {self.backend!r}")
 
 
 def temperature_scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:

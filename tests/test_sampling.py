@@ -25,6 +25,11 @@ def test_top_k_and_top_p_by_hand():
     assert torch.isfinite(top_p_filter(logits, 0.01)).tolist() == [[True, False, False, False]]
 
 
+def test_an_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match=r"backend must be one of \('comlrl', 'transformers'\), got 'vllm'"):
+        SamplingParams(backend="vllm")
+
+
 def test_prompt_positions_start_at_each_rows_first_token():
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
     assert prompt_positions(mask).tolist() == [[1, 1, 0, 1], [0, 1, 2, 3]]

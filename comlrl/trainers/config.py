@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from comlrl.config import ConfigBase, option
 from comlrl.placement import check_placement_format
+from comlrl.sampling import BACKENDS
 
 
 @dataclass
@@ -22,7 +23,7 @@ class RolloutConfig(ConfigBase):
     generation_backend: str = option(
         "comlrl", "How completions are decoded: 'comlrl' (comlrl.sampling.decode: the sampling loop of generate without "
         "its per-token machinery, same tokens for the same RNG state) or 'transformers' (model.generate, for models "
-        "with a generate of their own).", choices=("comlrl", "transformers"))
+        "with a generate of their own).", choices=BACKENDS)
     max_prompt_length: int | None = option(
         None, "Keep only the last N prompt tokens (None = no truncation).", min=1, kind=int, optional=True
     )
