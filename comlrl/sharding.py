@@ -222,6 +222,20 @@ def shard_model(model: torch.nn.Module, settings: FSDPSettings, device: torch.de
     return model
 
 
+def loading_devices(settings: FSDPSettings | None, devices: Sequence[torch.device]) -> list[torch.device]:
+    """Where freshly loaded models go: CPU when they are about to be sharded (sharding moves each
+    process's shards to its device), else their placement."""
+    return [torch.device("cpu")] * len(devices) if settings is not None else list(devices)
+
+
+def shard_models(models: list[torch.nn.Module], settings: FSDPSettings | None,
+                 devices: Sequence[torch.device]) -> list[torch.nn.Module]:
+    """Each model sharded onto its device under an FSDP launch (``settings``); unchanged otherwise."""
+    if settings is None:
+        return models
+    return [shard_model(model, settings, device) for model, device in zip(models, devices)]
+
+
 def shard_module(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """One FSDP unit over all processes for a small module called on its own (a value head)."""
     return shard_model(module, FSDPSettings(wrap_layers=False), device)

@@ -146,8 +146,7 @@ class MultiAgentTrainer:
             trainer_name=type(self).__name__,
             trust_remote_code=self.args.trust_remote_code,
         )
-        # Agents to be sharded load on CPU; sharding puts each process's shards on its device.
-        load_devices = [torch.device("cpu")] * len(sources) if self.data_parallel.fsdp else self.agent_devices
+        load_devices = sharding.loading_devices(self.data_parallel.fsdp, self.agent_devices)
         loaded = entities.load_models(sources, tokenizers, load_devices, self.dtype, "agent", self.args.trust_remote_code)
         self.agents = self.prepare_agents(loaded.models)
         self.check_context(self.agents)
@@ -190,10 +189,7 @@ class MultiAgentTrainer:
         if self.args.gradient_checkpointing:
             enable_gradient_checkpointing(models)
         self.data_parallel.broadcast_parameters(models)
-        fsdp = self.data_parallel.fsdp
-        if fsdp is not None:
-            models = [sharding.shard_model(model, fsdp, device) for model, device in zip(models, self.agent_devices)]
-        return models
+        return sharding.shard_models(models, self.data_parallel.fsdp, self.agent_devices)
 
     def model_devices(self) -> list[torch.device]:
         return devices_of(list(self.agents) + list(getattr(self, "critics", [])))

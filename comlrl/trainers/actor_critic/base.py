@@ -166,16 +166,12 @@ class ActorCriticTrainer(MultiAgentTrainer):
         # A model object also used as an actor must not become that actor's critic in place.
         sources = [copy.deepcopy(s) if any(s is agent for agent in self.agents) else s for s in sources]
         tokenizers = [self.tokenizers[self.critic_tokenizer_index(k)] for k in range(len(sources))]
-        fsdp = self.data_parallel.fsdp
-        # Critics to be sharded load on CPU; sharding puts each process's shards on its device.
-        devices = [torch.device("cpu")] * len(sources) if fsdp is not None else self.critic_devices
+        devices = sharding.loading_devices(self.data_parallel.fsdp, self.critic_devices)
         loaded = entities.load_models(sources, tokenizers, devices, self.dtype, "critic", self.args.trust_remote_code)
         if self.args.gradient_checkpointing:
             enable_gradient_checkpointing(loaded.models)
         self.data_parallel.broadcast_parameters(loaded.models)
-        if fsdp is None:
-            return loaded.models
-        return [sharding.shard_model(model, fsdp, device) for model, device in zip(loaded.models, self.critic_devices)]
+        return sharding.shard_models(loaded.models, self.data_parallel.fsdp, self.critic_devices)
 
     def critic_placement(self, sources: list[Any]) -> list[torch.device]:
         """Checked critic devices (before anything loads): ``critic_device``, or each critic beside its actor."""
