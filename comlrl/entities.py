@@ -142,14 +142,97 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, role: str) -> PreTrain
     return tokenizer
 
 
+def _template_text(template: Any) -> str:
+    """A chat template as one string; tokenizers may hold several named templates."""
+    if isinstance(template, str):
+        return template
+    if isinstance(template, dict):
+        return "\n".join(_template_text(value) for value in template.values())
+    if isinstance(template, (list, tuple)):
+        return "\n".join(_template_text(item.get("template", "") if isinstance(item, dict) else item) for item in template)
+    return ""
+
+
+def chat_template_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
+    """Added tokens written literally in the chat template: rendering it feeds them to the model."""
+    text = _template_text(getattr(tokenizer, "chat_template", None))
+    if not text:
+        return {}
+    return {int(i): t.content for i, t in tokenizer.added_tokens_decoder.items() if t.content and t.content in text}
+
+
+def used_special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
+    """Special-token ids the trainer feeds the model, each with its role (pad, eos, bos, chat template)."""
+    used: dict[int, str] = {}
+    for name in ("pad", "eos", "bos"):
+        ids = getattr(tokenizer, f"{name}_token_id", None)
+        for token_id in ids if isinstance(ids, (list, tuple)) else [ids]:
+            if token_id is not None:
+                used.setdefault(int(token_id), f"{name} token")
+    for token_id in chat_template_tokens(tokenizer):
+        used.setdefault(token_id, "chat template token")
+    return used
+
+
+def _token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str | None:
+    try:
+        return tokenizer.convert_ids_to_tokens(int(token_id))
+    except (IndexError, KeyError, OverflowError, TypeError, ValueError):
+        return None
+
+
 def check_tokenizer_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, role: str) -> None:
-    """A tokenizer is compatible when every ID it can produce has an embedding row in the model."""
-    embeddings = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > embeddings:
+    """Compatible means every id the trainer feeds the model has an embedding row: the base vocabulary
+    and the special tokens in use. Other added tokens past the embeddings (transformers may add default
+    special tokens when it reloads a tokenizer) are never fed, so they only warn."""
+    rows = model.get_input_embeddings().num_embeddings
+    name = model_name(model)
+    remedy = ("pass that model's own tokenizer, or resize the model's embeddings "
+              "(model.resize_token_embeddings(len(tokenizer))) before training")
+    base = tokenizer.vocab_size
+    if base > rows:
         raise ValueError(
-            f"the tokenizer given for {role} has {len(tokenizer)} tokens but the model "
-            f"{model_name(model)!r} embeds only {embeddings}; pass that model's own tokenizer"
+            f"the tokenizer given for {role} has {base} tokens but the model {name!r} embeds only {rows}: "
+            f"its base-vocabulary ids {rows}..{base - 1} (the first is {_token_text(tokenizer, rows)!r}) "
+            f"have no embedding row; {remedy}"
         )
+    used = used_special_tokens(tokenizer)
+    for token_id, kind in sorted(used.items()):
+        if not 0 <= token_id < rows:
+            raise ValueError(
+                f"the {kind} {_token_text(tokenizer, token_id)!r} (id {token_id}) of the tokenizer given for "
+                f"{role} has no embedding row: the model {name!r} embeds only {rows} tokens (ids 0..{rows - 1}); "
+                f"set a token the model embeds instead, or {remedy}"
+            )
+    unused = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if i >= rows and i not in used}
+    if unused:
+        listed = ", ".join(f"{text!r} (id {i})" for i, text in sorted(unused.items()))
+        logger.warning(
+            "the tokenizer given for %s has added tokens beyond the %d embedding rows of the model %r, which "
+            "training never feeds it: %s; a prompt that contains one is refused when it is encoded",
+            role, rows, name, listed,
+        )
+
+
+def check_ids_in_range(
+    ids: torch.Tensor, num_embeddings: int, where: str = "prompt", tokenizer: PreTrainedTokenizerBase | None = None
+) -> None:
+    """Refuse token ids without an embedding row here, by row and id, rather than as an IndexError
+    deep inside torch. ``ids`` is ``[rows, length]`` (or one row); ``tokenizer`` adds the token text."""
+    if ids.numel() == 0:
+        return
+    rows = ids.reshape(-1, ids.shape[-1]) if ids.dim() > 1 else ids.reshape(1, -1)
+    bad = (rows < 0) | (rows >= num_embeddings)
+    if not bool(bad.any()):
+        return
+    row, column = (int(x) for x in bad.nonzero()[0])
+    token_id = int(rows[row, column])
+    text = f" {_token_text(tokenizer, token_id)!r}" if tokenizer is not None else ""
+    raise ValueError(
+        f"{where} row {row} contains token id {token_id}{text} ({int(bad.sum())} out-of-range id(s) in all), "
+        f"but the model embeds only {num_embeddings} tokens (ids 0..{num_embeddings - 1}); remove that "
+        "token from the input, or resize the model's embeddings (model.resize_token_embeddings(len(tokenizer)))"
+    )
 
 
 def resolve_tokenizers(

@@ -11,16 +11,57 @@ which is what the actor-critic trainers use.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from comlrl.algorithms.advantages import joint_index
 from comlrl.data import Formatter, format_prompt
 from comlrl.placement import AgentMap, devices_of, map_by_device, model_device
 from comlrl.rewards import JointReward
 from comlrl.rollout import Generation, SamplingParams, generate_completions
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    """Everything a rollout needs besides the models and the rows, built once from a trainer's config
+    (:meth:`from_config`) and passed whole to :func:`rollout_episodes`, evaluation and the flows."""
+
+    formatters: tuple[Formatter, ...]
+    sampling: SamplingParams
+    num_generations: int
+    num_turns: int = 1
+    joint_mode: str = "aligned"
+    transition: Callable[..., Sequence[str]] | None = None
+    passthrough: bool = False
+    max_prompt_length: int | None = None
+    prompt_overflow: str = "truncate"
+
+    @classmethod
+    def from_config(cls, args: Any, formatters: Sequence[Formatter], transition: Callable | None) -> "RolloutSpec":
+        return cls(
+            formatters=tuple(formatters),
+            sampling=SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    max_new_tokens=args.max_new_tokens, backend=args.generation_backend),
+            num_generations=args.num_generations,
+            num_turns=args.num_turns,
+            joint_mode=getattr(args, "joint_mode", "aligned"),
+            transition=transition,
+            passthrough=args.external_prompt_passthrough,
+            max_prompt_length=args.max_prompt_length,
+            prompt_overflow=args.prompt_overflow,
+        )
+
+    def replace(self, **changes: Any) -> "RolloutSpec":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def joint_index(self) -> torch.Tensor:
+        """Which sample of each agent forms each joint sample (see :func:`joint_index`)."""
+        return joint_index(len(self.formatters), self.num_generations, self.joint_mode)
 
 
 @dataclass
@@ -129,20 +170,17 @@ def _next_prompts(
 def rollout_episodes(
     agents: Sequence[PreTrainedModel],
     tokenizers: Sequence[PreTrainedTokenizerBase],
-    formatters: Sequence[Formatter],
+    spec: RolloutSpec,
     rows: list[dict[str, Any]],
-    joint_index: torch.Tensor,
-    num_generations: int,
-    num_turns: int,
-    sampling: SamplingParams,
-    transition: Callable[..., Sequence[str]] | None = None,
-    passthrough: bool = False,
-    max_prompt_length: int | None = None,
     row_labels: Sequence[int | str] | None = None,
-    prompt_overflow: str = "truncate",
     agent_map: AgentMap = map_by_device,
 ) -> Rollout:
     """Generate every turn of the episodes that start from ``rows``; ``agent_map`` spreads the agents' generation."""
+    formatters, num_generations, sampling = spec.formatters, spec.num_generations, spec.sampling
+    max_prompt_length, prompt_overflow = spec.max_prompt_length, spec.prompt_overflow
+    transition, passthrough, joint_index = spec.transition, spec.passthrough, spec.joint_index
+    if spec.num_turns > 1 and transition is None:
+        raise ValueError(f"num_turns={spec.num_turns} needs an external_transition to produce the next turn's prompts")
     num_agents = len(agents)
     labels = list(row_labels) if row_labels is not None else list(range(len(rows)))
     prompts = [[format_prompt(formatters[a], row, a, labels[r]) for r, row in enumerate(rows)] for a in range(num_agents)]
@@ -150,13 +188,13 @@ def rollout_episodes(
     prompt_history = [[[prompts[a][n]] for a in range(num_agents)] for n in node_rows]
     response_history: list[list[list[str]]] = [[[] for _ in range(num_agents)] for _ in node_rows]
     rollout = Rollout(rows=rows, turns=[], joint_index=joint_index)
-    for turn_number in range(num_turns):
+    for turn_number in range(spec.num_turns):
         generations = _generate_turn(
             agents, tokenizers, prompts, num_generations, sampling, max_prompt_length, prompt_overflow, agent_map
         )
         turn = Turn(node_rows, prompts, generations, prompt_history, response_history)
         rollout.turns.append(turn)
-        if turn_number == num_turns - 1:
+        if turn_number == spec.num_turns - 1:
             break
         completions = rollout.joint_completions(turn_number)
         next_rows, next_prompts, next_prompt_history, next_response_history = [], [[] for _ in range(num_agents)], [], []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from functools import lru_cache
 
 import torch
 from transformers import PreTrainedModel
@@ -14,8 +15,15 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.clamp(min=0)
 
 
+@lru_cache(maxsize=None)
+def _class_accepts_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
 def _accepts_logits_to_keep(model: PreTrainedModel) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    """Whether ``forward`` takes ``logits_to_keep``; a peft wrapper forwards ``**kwargs``, so ask its base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _class_accepts_logits_to_keep(type(base))
 
 
 def completion_logits(

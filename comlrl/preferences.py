@@ -36,10 +36,26 @@ def ranked_pairs(rewards: torch.Tensor, tie_margin: float = 0.0, max_pairs: int 
     return [(i, j) for _, i, j in candidates]
 
 
+def agent_tag(index: int) -> str:
+    """The marker that opens agent ``index``'s part of a joint response."""
+    return f"\n[agent {index}]"
+
+
+def joint_input_sections(prompt: str, completions: Sequence[str]) -> list[str]:
+    """A joint response as sections: ``[prompt, tag_0, completion_0, tag_1, completion_1, ...]``.
+
+    Each completion section carries its leading space; the sections joined are
+    :func:`joint_input_text`. The reward model tokenizes and truncates them section by section.
+    """
+    sections = [prompt]
+    for index, completion in enumerate(completions):
+        sections += [agent_tag(index), f" {completion}"]
+    return sections
+
+
 def joint_input_text(prompt: str, completions: Sequence[str]) -> str:
-    """How the joint reward model reads a joint response: the prompt, then each agent's part."""
-    parts = [prompt] + [f"[agent {index}] {completion}" for index, completion in enumerate(completions)]
-    return "\n".join(parts)
+    """How the joint reward model reads a joint response, as one text (for display and logs)."""
+    return "".join(joint_input_sections(prompt, completions))
 
 
 def label_pairs(

@@ -3,6 +3,9 @@
 The backbone is loaded from a causal-LM identifier or directory with its own tokenizer; the
 head reads the hidden state of the last non-padding token. It is fitted with the
 Bradley-Terry loss on preference pairs, then kept fixed as the reward for policy learning.
+
+A joint response is read section by section (:func:`comlrl.preferences.joint_input_sections`)
+and, past ``max_length``, cut by :func:`joint_token_budget` so every agent keeps a share.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from comlrl.algorithms.losses import bradley_terry_loss
 from comlrl.device import resolve_device
 from comlrl.entities import load_causal_lm, load_tokenizer, prepare_tokenizer
 from comlrl.export import save_value_head
-from comlrl.preferences import joint_input_text
+from comlrl.preferences import joint_input_sections
 from comlrl.value_heads import attach_value_head, sequence_values
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,81 @@ def resolve_reward_device(requested: str | None, trainer_device: torch.device, f
             ) from None
         logger.warning("reward_model_device=%r is not available; using the trainer's device %s", requested, trainer_device)
         return trainer_device
+
+
+def fair_shares(lengths: Sequence[int], budget: int) -> list[int]:
+    """Max-min fair split of ``budget`` tokens over sections of ``lengths`` (water-filling).
+
+    A section no longer than the equal share keeps all its tokens and leaves the rest to the
+    others; the longer ones get equal shares, any remainder one token each to the earliest.
+    """
+    kept = list(lengths)
+    open_sections = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    while open_sections:
+        share = budget // len(open_sections)
+        if lengths[open_sections[0]] <= share:
+            budget -= lengths[open_sections.pop(0)]
+            continue
+        extra = budget - share * len(open_sections)
+        for rank, index in enumerate(sorted(open_sections)):
+            kept[index] = share + int(rank < extra)
+        break
+    return kept
+
+
+def joint_token_budget(
+    prompt_length: int, tag_lengths: Sequence[int], completion_lengths: Sequence[int], max_length: int | None
+) -> tuple[int, list[int]]:
+    """Tokens kept of the prompt and of each completion so a joint response fits ``max_length``.
+
+    Nothing is cut when it all fits (or ``max_length`` is None). Otherwise the agent tags are
+    kept whole and the ``room = max_length - sum(tag_lengths)`` left is split: the prompt gives
+    way first, down to a floor of ``room // (num_agents + 1)`` tokens (all of it if shorter);
+    the completions share the rest by :func:`fair_shares`. Tags longer than ``max_length`` fail.
+    """
+    if max_length is None or prompt_length + sum(tag_lengths) + sum(completion_lengths) <= max_length:
+        return prompt_length, list(completion_lengths)
+    room = max_length - sum(tag_lengths)
+    if room < 0:
+        raise ValueError(
+            f"reward_max_length={max_length} cannot hold the {len(tag_lengths)} agent tags "
+            f"({sum(tag_lengths)} tokens); raise it"
+        )
+    floor = room // (len(completion_lengths) + 1)
+    prompt_kept = min(prompt_length, max(floor, room - sum(completion_lengths)))
+    return prompt_kept, fair_shares(completion_lengths, room - prompt_kept)
+
+
+def truncate_joint_ids(section_ids: Sequence[Sequence[int]], max_length: int | None) -> list[int]:
+    """One joint response's ids from its tokenized sections (``[prompt, tag_0, completion_0, ...]``),
+    cut by :func:`joint_token_budget`: the prompt keeps its last tokens, each completion its first."""
+    prompt, tags, completions = section_ids[0], section_ids[1::2], section_ids[2::2]
+    prompt_kept, kept = joint_token_budget(
+        len(prompt), [len(t) for t in tags], [len(c) for c in completions], max_length
+    )
+    ids = list(prompt[len(prompt) - prompt_kept:])
+    for tag, completion, length in zip(tags, completions, kept, strict=True):
+        ids += list(tag) + list(completion[:length])
+    return ids
+
+
+def pad_rows(rows: Sequence[Sequence[int]], pad_id: int, side: str = "right") -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``attention_mask``, ``[batch, longest]``, padded on ``side``."""
+    width = max((len(row) for row in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        columns = slice(width - len(row), width) if side == "left" else slice(0, len(row))
+        ids[i, columns] = torch.tensor(list(row), dtype=torch.long)
+        mask[i, columns] = 1
+    return ids, mask
+
+
+def identical_pairs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """How many rows of the first half encode exactly as the matching row of the second half."""
+    half = input_ids.shape[0] // 2
+    same = (input_ids[:half] == input_ids[half:2 * half]) & (attention_mask[:half] == attention_mask[half:2 * half])
+    return int(same.all(dim=1).sum())
 
 
 class JointRewardModel(torch.nn.Module):
@@ -84,6 +162,7 @@ class JointRewardModel(torch.nn.Module):
         return sequence_values(self.backbone, input_ids, attention_mask)
 
     def encode(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain texts, cut at their end; joint responses go through :meth:`encode_joint`."""
         encoded = self.tokenizer(
             list(texts), return_tensors="pt", padding=True, truncation=self.max_length is not None,
             max_length=self.max_length, add_special_tokens=False,
@@ -93,14 +172,31 @@ class JointRewardModel(torch.nn.Module):
     def score_texts(self, texts: Sequence[str]) -> torch.Tensor:
         return self(*self.encode(texts))
 
+    def encode_joint(
+        self, prompts: Sequence[str], responses: Sequence[Sequence[str]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids and mask of joint responses, ``responses[sample][agent]``, padded on the tokenizer's
+        side; each section tokenized alone and the whole cut by :func:`truncate_joint_ids`."""
+        sections = [joint_input_sections(p, r) for p, r in zip(prompts, responses, strict=True)]
+        flat = [text for row in sections for text in row]
+        flat_ids = self.tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+        rows, start = [], 0
+        for row in sections:
+            rows.append(truncate_joint_ids(flat_ids[start:start + len(row)], self.max_length))
+            start += len(row)
+        ids, mask = pad_rows(rows, self.tokenizer.pad_token_id, self.tokenizer.padding_side)
+        return ids.to(self.device), mask.to(self.device)
+
+    def score_joint(self, prompts: Sequence[str], responses: Sequence[Sequence[str]]) -> torch.Tensor:
+        """Rewards of joint responses, ``responses[sample][agent]``, with autograd."""
+        return self(*self.encode_joint(prompts, responses))
+
     @torch.no_grad()
     def score(self, prompts: Sequence[str], joint_completions: Sequence[Sequence[str]]) -> torch.Tensor:
         """Rewards of joint responses; ``joint_completions[agent][sample]``."""
-        texts = [
-            joint_input_text(prompt, [agent[i] for agent in joint_completions]) for i, prompt in enumerate(prompts)
-        ]
+        responses = [[agent[i] for agent in joint_completions] for i in range(len(prompts))]
         self.eval()
-        return self.score_texts(texts).cpu()
+        return self.score_joint(prompts, responses).cpu()
 
     def save(self, directory: str | Path) -> Path:
         """Backbone and tokenizer as a Hugging Face directory, the head as ``value_head.pt``."""
@@ -118,6 +214,7 @@ class RewardFitResult:
     heldout_accuracy: float | None
     num_train_pairs: int
     num_heldout_pairs: int
+    identical_pairs: int = 0  # pairs whose chosen and rejected encode to the same ids (train + held-out)
 
     def metrics(self) -> dict[str, float]:
         metrics = {
@@ -125,31 +222,46 @@ class RewardFitResult:
             "reward_model/train_accuracy": self.train_accuracy,
             "reward_model/train_pairs": float(self.num_train_pairs),
             "reward_model/heldout_pairs": float(self.num_heldout_pairs),
+            "reward_model/identical_pairs": float(self.identical_pairs),
         }
         if self.heldout_accuracy is not None:
             metrics["reward_model/heldout_accuracy"] = self.heldout_accuracy
         return metrics
 
 
-def _pair_texts(pairs: Dataset, indices: Sequence[int]) -> tuple[list[str], list[str]]:
+def _pair_batch(model: JointRewardModel, pairs: Dataset, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen then the rejected joint responses of the pairs ``indices``, encoded."""
     rows = pairs.select(indices)
-    chosen = [joint_input_text(p, c) for p, c in zip(rows["prompt"], rows["chosen"])]
-    rejected = [joint_input_text(p, r) for p, r in zip(rows["prompt"], rows["rejected"])]
-    return chosen, rejected
+    prompts = list(rows["prompt"])
+    return model.encode_joint(prompts + prompts, list(rows["chosen"]) + list(rows["rejected"]))
 
 
 @torch.no_grad()
+def _accuracy_and_identical(
+    model: JointRewardModel, pairs: Dataset, indices: Sequence[int], batch_size: int
+) -> tuple[float, int]:
+    """Preference accuracy and the number of pairs encoded identically (warned about)."""
+    if not indices:
+        return float("nan"), 0
+    model.eval()
+    correct = identical = 0
+    for start in range(0, len(indices), batch_size):
+        input_ids, attention_mask = _pair_batch(model, pairs, indices[start:start + batch_size])
+        identical += identical_pairs(input_ids, attention_mask)
+        scores = model(input_ids, attention_mask)
+        half = scores.shape[0] // 2
+        correct += int((scores[:half] > scores[half:]).sum())
+    if identical:
+        logger.warning(
+            "%d of %d preference pairs encode chosen and rejected to identical ids (reward_max_length=%s); "
+            "the reward model cannot tell them apart", identical, len(indices), model.max_length,
+        )
+    return correct / len(indices), identical
+
+
 def preference_accuracy(model: JointRewardModel, pairs: Dataset, indices: Sequence[int], batch_size: int) -> float:
     """Fraction of pairs where the model scores the chosen response strictly higher."""
-    if not indices:
-        return float("nan")
-    model.eval()
-    correct = 0
-    for start in range(0, len(indices), batch_size):
-        chosen, rejected = _pair_texts(pairs, indices[start:start + batch_size])
-        scores = model.score_texts(chosen + rejected)
-        correct += int((scores[: len(chosen)] > scores[len(chosen):]).sum())
-    return correct / len(indices)
+    return _accuracy_and_identical(model, pairs, indices, batch_size)[0]
 
 
 def fit_reward_model(
@@ -176,20 +288,23 @@ def fit_reward_model(
         order = [train_indices[i] for i in torch.randperm(len(train_indices), generator=generator).tolist()]
         epoch_losses = []
         for start in range(0, len(order), batch_size):
-            chosen, rejected = _pair_texts(pairs, order[start:start + batch_size])
-            scores = model.score_texts(chosen + rejected)
-            loss = bradley_terry_loss(scores[: len(chosen)], scores[len(chosen):])
+            scores = model(*_pair_batch(model, pairs, order[start:start + batch_size]))
+            half = scores.shape[0] // 2
+            loss = bradley_terry_loss(scores[:half], scores[half:])
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             epoch_losses.append(float(loss.detach()))
         losses.append(sum(epoch_losses) / len(epoch_losses))
+    train_accuracy, train_identical = _accuracy_and_identical(model, pairs, train_indices, batch_size)
+    heldout_accuracy, heldout_identical = _accuracy_and_identical(model, pairs, list(heldout_indices), batch_size)
     return RewardFitResult(
         losses=losses,
-        train_accuracy=preference_accuracy(model, pairs, train_indices, batch_size),
-        heldout_accuracy=preference_accuracy(model, pairs, list(heldout_indices), batch_size) if heldout_indices else None,
+        train_accuracy=train_accuracy,
+        heldout_accuracy=heldout_accuracy if heldout_indices else None,
         num_train_pairs=len(train_indices),
         num_heldout_pairs=len(heldout_indices),
+        identical_pairs=train_identical + heldout_identical,
     )
 
 

@@ -128,6 +128,12 @@ class JointReward:
             self._monitor_values[name].extend(self._call_one(monitor, completions, batch_items))
         return result
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"dropped": self.dropped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dropped = int(state["dropped"])
+
     def drain_monitor_metrics(self) -> dict[str, float]:
         """Means of the monitors since the last drain, as ``monitor/<name>`` metrics."""
         metrics = {f"monitor/{name}": sum(v) / len(v) for name, v in self._monitor_values.items() if v}

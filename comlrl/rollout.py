@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from comlrl.entities import check_ids_in_range
 from comlrl.sampling import SamplingParams, decode
 
 logger = logging.getLogger(__name__)
@@ -76,9 +77,11 @@ def encode_prompts(
     device: torch.device,
     max_prompt_length: int | None = None,
     overflow: str = "truncate",
+    num_embeddings: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt IDs and mask; over-long prompts keep their last ``max_prompt_length`` tokens
-    (with a warning), or raise when ``overflow="error"``."""
+    (with a warning), or raise when ``overflow="error"``. With ``num_embeddings``, an ID the model cannot
+    embed raises a ValueError naming the prompt row."""
     encoded = tokenizer(
         prompts,
         return_tensors="pt",
@@ -98,22 +101,42 @@ def encode_prompts(
         logger.warning("truncating %d prompt(s) to their last %d tokens", len(too_long), max_prompt_length)
         # Left padding puts every prompt's last tokens in the rightmost columns.
         ids, mask = ids[:, -max_prompt_length:], mask[:, -max_prompt_length:]
+    if num_embeddings is not None:
+        check_ids_in_range(ids, num_embeddings, "prompt", tokenizer)
     return ids.to(device), mask.to(device)
 
 
+class _UnmergedGenerationConfig(GenerationConfig):
+    """A generation config that ``generate`` uses as it is.
+
+    ``generate`` fills each field still ``None`` from the model's own ``generation_config`` (a hub
+    model's repetition penalty, n-gram ban, forced or suppressed tokens, min-p, top-k, ...), then
+    from library defaults, through ``update(defaults_only=True)``. This config ignores those
+    fill-ins; it is built complete, with every logits processor off.
+    """
+
+    def update(self, defaults_only=False, allow_custom_entries=False, **kwargs):
+        if defaults_only:
+            return dict(kwargs)
+        return super().update(allow_custom_entries=allow_custom_entries, **kwargs)
+
+
 def _generation_config(tokenizer: PreTrainedTokenizerBase, sampling: SamplingParams, num_generations: int) -> GenerationConfig:
-    settings = dict(
+    """Library defaults (no penalty, ban, forced token or extra warper) plus ``sampling``, unmerged with
+    the model's ``generation_config``: ``generate`` samples what :class:`SamplingParams` says, as ``decode`` does."""
+    settings = GenerationConfig._get_default_generation_params()
+    settings.pop("max_length")  # max_new_tokens decides the length
+    settings.update(
         max_new_tokens=sampling.max_new_tokens,
         num_return_sequences=num_generations,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         use_cache=True,
+        do_sample=sampling.do_sample,
     )
-    if sampling.do_sample:
-        settings.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0)
-    else:
-        settings.update(do_sample=False)
-    return GenerationConfig(**settings)
+    if sampling.do_sample:  # top_k 0 is off (the library default would be 50)
+        settings.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or 0)
+    return _UnmergedGenerationConfig(**settings)
 
 
 def eos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -156,7 +179,8 @@ def generate_completions(
     """
     device = next(model.parameters()).device
     limit = prompt_token_limit(model, sampling.max_new_tokens, max_prompt_length)
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device, limit, prompt_overflow)
+    prompt_ids, prompt_mask = encode_prompts(
+        tokenizer, prompts, device, limit, prompt_overflow, model.get_input_embeddings().num_embeddings)
     if sampling.backend == "transformers":
         completion_ids = _generate_with_transformers(
             model, tokenizer, prompt_ids, prompt_mask, num_generations, sampling, generator)

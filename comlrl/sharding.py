@@ -386,21 +386,7 @@ def export_models(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], 
             tokenizer.save_pretrained(directory)
 
 
-def gather_checkpoint(modules: dict[str, torch.nn.Module], optimizers: dict[str, torch.optim.Optimizer],
-                      optimizer_modules: dict[str, torch.nn.Module] | None = None
-                      ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What a checkpoint writes: each sharded model, and each optimizer of sharded parameters, replaced by
-    its gathered full state (see :func:`gather_model_state`); everything else passed through as it is.
-
-    ``optimizer_modules`` names the module holding each optimizer's parameters (default: the module of
-    the optimizer's name), e.g. a critic with its value head."""
-    owners = {**{name: modules[name] for name in optimizers if name in modules}, **(optimizer_modules or {})}
-    covered = {id(part) for name in optimizers if name in owners for part in owners[name].modules()}
-    missing = sorted(name for name, module in modules.items() if is_sharded(module) and id(module) not in covered)
-    if missing:
-        raise ValueError(f"sharded models {missing} have no optimizer to gather with them")
-    weights = {name: gather_model_state(module) if is_sharded(module) else module for name, module in modules.items()}
-    states = {name: gather_optimizer_state(owners[name], optimizer)
-              if name in owners and holds_shards(owners[name]) else optimizer
-              for name, optimizer in optimizers.items()}
-    return weights, states
+def gather_weights(modules: dict[str, torch.nn.Module]) -> dict[str, Any]:
+    """What a checkpoint writes for ``modules``: each sharded model replaced by its gathered full state
+    (see :func:`gather_model_state`; a collective), the others passed through as they are."""
+    return {name: gather_model_state(module) if is_sharded(module) else module for name, module in modules.items()}

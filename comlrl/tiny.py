@@ -10,15 +10,27 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     GPT2Config,
     LlamaConfig,
+    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2Tokenizer,
 )
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+# Qwen2-style: added tokens after a byte-level BPE vocabulary, a ChatML chat template.
+QWEN2_ADDED_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+DEFAULT_VOCAB_SIZES = {"llama": 96, "gpt2": 96, "qwen2": 320}
 
 _WORDS = (
     "the a an agent agents write read code story plan team work together answer short long "
@@ -48,7 +60,28 @@ def build_tiny_tokenizer(vocab_size: int = 96, seed: int = 0) -> PreTrainedToken
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **SPECIAL_TOKENS)
 
 
-def _special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
+def build_tiny_qwen2_tokenizer(vocab_size: int = 320, seed: int = 0) -> Qwen2Tokenizer:
+    """Train a byte-level BPE (``vocab_size`` base tokens, the 256 bytes included) and append Qwen2's
+    added tokens: the layout whose reloads ``len(tokenizer)`` and the embedding rows can disagree on."""
+    if vocab_size <= 256:
+        raise ValueError(f"a byte-level vocabulary needs more than the 256 byte tokens, got vocab_size={vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(toy_corpus(seed=seed), trainer=trainer)
+    tokenizer.add_special_tokens(list(QWEN2_ADDED_TOKENS))
+    wrapped = Qwen2Tokenizer(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    wrapped.chat_template = QWEN2_CHAT_TEMPLATE
+    return wrapped
+
+
+def _special_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int]:
     return {
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
@@ -58,6 +91,21 @@ def _special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
 
 def tiny_llama_config(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 64, num_layers: int = 2) -> LlamaConfig:
     return LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        **_special_ids(tokenizer),
+    )
+
+
+def tiny_qwen2_config(tokenizer: PreTrainedTokenizerBase, hidden_size: int = 64, num_layers: int = 2) -> Qwen2Config:
+    """As many embedding rows as the tokenizer has tokens now, added tokens included."""
+    return Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -87,25 +135,29 @@ def tiny_gpt2_config(tokenizer: PreTrainedTokenizerFast, hidden_size: int = 48, 
 def save_tiny_model(
     directory: str | Path,
     architecture: str = "llama",
-    vocab_size: int = 96,
+    vocab_size: int | None = None,
     hidden_size: int | None = None,
     seed: int = 0,
 ) -> Path:
     """Build a randomly initialised tiny model plus its tokenizer and save both to ``directory``.
 
-    ``architecture`` is ``"llama"`` or ``"gpt2"``; different ``vocab_size`` values give
-    tokenizers with different vocabularies (for heterogeneous-agent setups).
+    ``architecture`` is ``"llama"``, ``"gpt2"`` or ``"qwen2"`` (byte-level BPE, ChatML added tokens and
+    chat template); different ``vocab_size`` values give tokenizers with different vocabularies (for
+    heterogeneous-agent setups). ``None`` is 96, or 320 for ``"qwen2"``.
     """
     import torch
 
+    if architecture not in DEFAULT_VOCAB_SIZES:
+        raise ValueError(f"architecture must be 'llama', 'gpt2' or 'qwen2', got {architecture!r}")
     directory = Path(directory)
-    tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=seed)
-    if architecture == "llama":
-        config = tiny_llama_config(tokenizer, **({"hidden_size": hidden_size} if hidden_size else {}))
-    elif architecture == "gpt2":
-        config = tiny_gpt2_config(tokenizer, **({"hidden_size": hidden_size} if hidden_size else {}))
+    vocab_size = vocab_size or DEFAULT_VOCAB_SIZES[architecture]
+    sizes = {"hidden_size": hidden_size} if hidden_size else {}
+    if architecture == "qwen2":
+        tokenizer = build_tiny_qwen2_tokenizer(vocab_size=vocab_size, seed=seed)
+        config = tiny_qwen2_config(tokenizer, **sizes)
     else:
-        raise ValueError(f"architecture must be 'llama' or 'gpt2', got {architecture!r}")
+        tokenizer = build_tiny_tokenizer(vocab_size=vocab_size, seed=seed)
+        config = (tiny_llama_config if architecture == "llama" else tiny_gpt2_config)(tokenizer, **sizes)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -201,7 +201,8 @@ def test_lr_schedule_resumes_exactly(tiny_llama, train_dataset, reward_func, tmp
     straight = build(tiny_llama, train_dataset, reward_func, 2, **schedule)
     straight.train()
     build(tiny_llama, train_dataset, reward_func, 1, **schedule).train(checkpoint_dir=tmp_path)
-    assert (tmp_path / "checkpoint-1" / "optimizers" / "agent_0.scheduler.pt").is_file()
+    saved = torch.load(tmp_path / "checkpoint-1" / "state.pt", weights_only=True)
+    assert saved["optimizers"]["agent_0"]["scheduler"]["last_epoch"] == 4
     resumed = build(tiny_llama, train_dataset, reward_func, 2, **schedule)
     resumed.train(resume_from_checkpoint=tmp_path / "checkpoint-1")
     lr = [o.param_groups[0]["lr"] for o in resumed.optimizers]

@@ -35,7 +35,3 @@ def test_cross_joint_explosion_is_rejected():
     with pytest.raises(ValueError, match="leaf samples per prompt"):
         MAGRPOConfig(num_agents=4, num_generations=8, joint_mode="cross", num_turns=2)
 
-
-def test_off_policy_passes_need_no_accumulation():
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
-        MAGRPOConfig(policy_update_epochs=2, gradient_accumulation_steps=2)

@@ -7,8 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from comlrl.algorithms.advantages import joint_index
-from comlrl.episodes import rollout_episodes
+from comlrl.episodes import RolloutSpec, rollout_episodes
 from comlrl.rollout import encode_prompts, generate_completions
 from comlrl.sampling import SamplingParams, decode, prompt_positions, top_k_filter, top_p_filter, warp_logits
 
@@ -123,8 +122,9 @@ def test_agents_sampling_side_by_side_give_the_sequential_rollout(backend, tiny_
     for agent_map in (None, threaded_map):
         torch.manual_seed(3)
         options = {"agent_map": agent_map} if agent_map else {}
-        rollouts.append(rollout_episodes(agents, tokenizers, formatters, rows, joint_index(2, 4, "aligned"), 4, 1,
-                                         SamplingParams(max_new_tokens=16, backend=backend), **options))
+        spec = RolloutSpec(formatters=tuple(formatters), sampling=SamplingParams(max_new_tokens=16, backend=backend),
+                           num_generations=4)
+        rollouts.append(rollout_episodes(agents, tokenizers, spec, rows, **options))
     for sequential, threaded in zip(rollouts[0].turns[0].generations, rollouts[1].turns[0].generations):
         assert torch.equal(sequential.completion_ids, threaded.completion_ids)
     # the two agents drew from different streams

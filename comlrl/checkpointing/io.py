@@ -4,11 +4,10 @@ Layout of ``checkpoint-N`` (N = completed boundaries)::
 
     metadata.json          progress, resolved config, model fingerprints, run identities
     history.json           the per-step metrics so far
-    models/<name>.safetensors
-    optimizers/<name>.pt   optimizer state dicts (and <name>.scheduler.pt: LR schedules)
-    rng.pt                 python, numpy, torch and CUDA generator states
-    stateful.pt            state_dict() of stateful datasets and callbacks (if any)
-    extra/                 trainer-specific files (PbRL pairs, reward model, history)
+    models/<name>.safetensors   the weights of every trained model (``trainer.checkpoint_modules()``)
+    state.pt               ``trainer.state_dict()`` less its history: progress, optimizer-step components
+                           (optimizer, LR schedule, pending gradients), RNG states, stateful user
+                           objects, and trainer-specific state (PbRL pairs and reward model)
     COMPLETE               written last; a directory without it is never loaded
 
 A checkpoint is assembled in ``.checkpoint-N.tmp-*`` and renamed into place only once
@@ -28,7 +27,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
@@ -39,6 +38,7 @@ CHECKPOINT_PREFIX = "checkpoint-"
 COMPLETE_MARKER = "COMPLETE"
 METADATA_FILE = "metadata.json"
 HISTORY_FILE = "history.json"
+STATE_FILE = "state.pt"
 
 
 _NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)(?:-step(\d+))?$")
@@ -113,18 +113,14 @@ def write_checkpoint(
     checkpoint_dir: str | Path,
     name: str,
     modules: dict[str, torch.nn.Module | dict[str, torch.Tensor]],
-    optimizers: dict[str, Any],
-    rng_state: dict[str, Any],
+    state: dict[str, Any],
     metadata: dict[str, Any],
-    stateful: dict[str, Any] | None = None,
-    write_extra: Callable[[Path], None] | None = None,
-    schedulers: dict[str, Any] | None = None,
     history: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Write the checkpoint directory ``name`` atomically and return its path.
 
-    ``modules`` and ``optimizers`` hold modules and optimizers, or the full state dicts gathered from
-    sharded ones.
+    ``modules`` holds modules, or the full state dicts gathered from sharded ones; ``state`` is the
+    trainer's state dict (tensors and plain values).
     """
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -138,18 +134,7 @@ def write_checkpoint(
                 save_model(module, file)
             else:
                 save_state(module, file)
-        (staging / "optimizers").mkdir()
-        for name, optimizer in optimizers.items():
-            state = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-            torch.save(state, staging / "optimizers" / f"{name}.pt")
-        for name, scheduler in (schedulers or {}).items():
-            torch.save(scheduler.state_dict(), staging / "optimizers" / f"{name}.scheduler.pt")
-        torch.save(rng_state, staging / "rng.pt")
-        if stateful:
-            torch.save(stateful, staging / "stateful.pt")
-        if write_extra is not None:
-            (staging / "extra").mkdir()
-            write_extra(staging / "extra")
+        torch.save(state, staging / STATE_FILE)
         (staging / HISTORY_FILE).write_text(json.dumps(history or []))
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         (staging / COMPLETE_MARKER).write_text("ok\n")
@@ -181,24 +166,6 @@ def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
                 load_model(module, str(file), strict=True)
         except RuntimeError as error:
             raise ValueError(f"checkpoint weights for {name!r} do not fit the model: {error}") from None
-
-
-def load_optimizers(path: Path, optimizers: dict[str, Any], schedulers: dict[str, Any] | None = None,
-                    modules: dict[str, torch.nn.Module] | None = None) -> None:
-    """Optimizer states (an optimizer whose module in ``modules``, same name, holds sharded parameters
-    loads through :mod:`comlrl.sharding`) and LR schedules."""
-    for name, optimizer in optimizers.items():
-        file = path / "optimizers" / f"{name}.pt"
-        module = (modules or {}).get(name)
-        if module is not None and sharding.holds_shards(module):
-            where = f"checkpoint {str(path)!r}, optimizer {name!r}"
-            sharding.load_optimizer_state(module, optimizer, lambda: load_pt(file), where)
-        else:
-            optimizer.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
-    for name, scheduler in (schedulers or {}).items():
-        file = path / "optimizers" / f"{name}.scheduler.pt"
-        if file.is_file():
-            scheduler.load_state_dict(torch.load(file, map_location="cpu", weights_only=True))
 
 
 def load_pt(path: Path) -> Any:

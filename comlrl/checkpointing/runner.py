@@ -1,14 +1,13 @@
 """Connects a trainer's ``train()`` to checkpoints: resume at the start, save at boundaries.
 
-A trainer exposes ``checkpoint_modules()``, ``checkpoint_optimizers()`` and
-``compat_settings()`` (and optionally ``save_extra``/``load_extra``, and ``optimizer_modules()``
-where an optimizer steps more than the module of its name); this module owns
-everything else: when to save, what the metadata holds, and what makes a resume incompatible.
+A trainer exposes exactly three things: ``checkpoint_modules()`` (the trained models, saved as
+safetensors), ``state_dict()``/``load_state_dict()`` (everything else that a resume needs) and
+``compat_settings()`` (what must match for the state to mean the same). This module owns the
+rest: when to save, what the metadata holds, and what makes a resume incompatible.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -20,9 +19,8 @@ from safetensors import SafetensorError
 import comlrl
 from comlrl import sharding
 from comlrl.checkpointing import io
-from comlrl.seeding import capture_rng_state, restore_rng_state
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 logger = logging.getLogger(__name__)
 
 
@@ -39,16 +37,6 @@ def _describe_shape_difference(saved: dict[str, Any], current: dict[str, Any]) -
         if saved["shapes"].get(key) != current["shapes"].get(key):
             return f"tensor {key!r} has shape {current['shapes'].get(key)} here but {saved['shapes'].get(key)} in the checkpoint"
     return "weights differ"
-
-
-def _stateful_objects(trainer: Any) -> dict[str, Any]:
-    objects = {"train_dataset": trainer.train_dataset}
-    objects.update({f"callback_{i}": cb for i, cb in enumerate(trainer.callbacks)})
-    return {
-        name: obj
-        for name, obj in objects.items()
-        if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-    }
 
 
 class CheckpointRunner:
@@ -92,29 +80,19 @@ class CheckpointRunner:
         metadata = io.read_metadata(self.resume_path)
         self.check_compatible(metadata)
         trainer = self.trainer
-        modules = trainer.checkpoint_modules()
-        io.load_modules(self.resume_path, modules)
-        io.load_optimizers(self.resume_path, trainer.checkpoint_optimizers(), self._schedulers(),
-                           self._optimizer_modules())
-        state = dict(metadata["state"])
-        state["history"] = json.loads((self.resume_path / io.HISTORY_FILE).read_text())
-        trainer.state = type(trainer.state)(**state)
-        stateful_file = self.resume_path / "stateful.pt"
-        if stateful_file.is_file():
-            saved = io.load_pt(stateful_file)
-            for name, obj in _stateful_objects(trainer).items():
-                if name in saved:
-                    obj.load_state_dict(saved[name])
-        if hasattr(trainer, "load_extra"):
-            trainer.load_extra(self.resume_path / "extra", metadata)
+        io.load_modules(self.resume_path, trainer.checkpoint_modules())
+        state = io.load_pt(self.resume_path / io.STATE_FILE)
+        state["progress"]["history"] = json.loads((self.resume_path / io.HISTORY_FILE).read_text())
+        trainer.load_state_dict(state, f"checkpoint {str(self.resume_path)!r}")  # the RNGs last
         trainer.run_identity.update({key: metadata.get(key) for key in ("wandb", "mlflow") if metadata.get(key)})
         self.last_saved = metadata["boundary"]
-        # Last: loading extras (e.g. building a value head) may draw random numbers.
-        restore_rng_state(io.load_pt(self.resume_path / "rng.pt"))
 
     def check_compatible(self, metadata: dict[str, Any]) -> None:
         trainer = self.trainer
         where = f"cannot resume from {str(self.resume_path)!r}"
+        if metadata.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{where}: checkpoint format {metadata.get('format_version')} is not this library's "
+                             f"format {FORMAT_VERSION}; start a new run from the exported models instead")
         if metadata.get("trainer") != type(trainer).__name__:
             raise ValueError(f"{where}: it was written by {metadata.get('trainer')}, not {type(trainer).__name__}")
         current = trainer.compat_settings()
@@ -130,18 +108,6 @@ class CheckpointRunner:
             if fingerprint != metadata["models"][name]:
                 raise ValueError(f"{where}: {name}: {_describe_shape_difference(metadata['models'][name], fingerprint)}")
         trainer.check_resume_progress(metadata["state"])
-
-    def _optimizer_modules(self) -> dict[str, torch.nn.Module]:
-        """The module holding each checkpointed optimizer's parameters (sharded ones gather and load by them)."""
-        return getattr(self.trainer, "optimizer_modules", self.trainer.checkpoint_modules)()
-
-    def _schedulers(self) -> dict[str, Any]:
-        """The LR schedule of each checkpointed optimizer, under the optimizer's name."""
-        find = getattr(self.trainer, "scheduler_for", None)
-        if find is None:
-            return {}
-        found = {name: find(optimizer) for name, optimizer in self.trainer.checkpoint_optimizers().items()}
-        return {name: scheduler for name, scheduler in found.items() if scheduler is not None}
 
     # ----- save -------------------------------------------------------------------------------
     def on_boundary(self) -> None:
@@ -170,15 +136,14 @@ class CheckpointRunner:
         """
         name = name or f"{io.CHECKPOINT_PREFIX}{self.trainer.state.boundaries}"
         parallel = getattr(self.trainer, "data_parallel", None)
-        modules, optimizers = sharding.gather_checkpoint(
-            self.trainer.checkpoint_modules(), self.trainer.checkpoint_optimizers(), self._optimizer_modules()
-        )
+        modules = sharding.gather_weights(self.trainer.checkpoint_modules())
+        state = self.trainer.state_dict()
         if parallel is not None and not parallel.is_main:
             parallel.barrier()
             self.last_saved = self.trainer.state.boundaries
             return self.checkpoint_dir / name
         try:
-            return self._write(name, modules, optimizers)
+            return self._write(name, modules, state)
         except (OSError, SafetensorError) as error:
             self.failures += 1
             logger.error("checkpoint save failed (%s); earlier checkpoints are intact and training goes on", error)
@@ -187,38 +152,24 @@ class CheckpointRunner:
             if parallel is not None:
                 parallel.barrier()
 
-    def _write(self, name: str, modules: dict[str, Any], optimizers: dict[str, Any]) -> Path:
-        """Write ``modules``/``optimizers`` (as :func:`comlrl.sharding.gather_checkpoint` returns them) and the rest."""
+    def _write(self, name: str, modules: dict[str, Any], state: dict[str, Any]) -> Path:
+        """Write ``modules`` (as :func:`comlrl.sharding.gather_weights` returns them), ``state`` and the metadata."""
         trainer = self.trainer
-        state = dataclasses.asdict(trainer.state)
-        history = state.pop("history")
+        history = state["progress"].pop("history")
         metadata = {
             "format_version": FORMAT_VERSION,
             "library_version": comlrl.__version__,
             "trainer": type(trainer).__name__,
             "boundary": trainer.state.boundaries,
             "boundary_kind": trainer.boundary_kind,
-            "state": state,
+            "state": state["progress"],
             "config": trainer.args.to_dict(),
             "compat": trainer.compat_settings(),
             "models": {name: model_fingerprint(module) for name, module in trainer.checkpoint_modules().items()},
             "wandb": trainer.run_identity.get("wandb"),
             "mlflow": trainer.run_identity.get("mlflow"),
         }
-        stateful = {name: obj.state_dict() for name, obj in _stateful_objects(trainer).items()}
-
-        path = io.write_checkpoint(
-            self.checkpoint_dir,
-            name,
-            modules,
-            optimizers,
-            capture_rng_state(),
-            metadata,
-            stateful=stateful,
-            write_extra=getattr(trainer, "save_extra", None),
-            schedulers=self._schedulers(),
-            history=history,
-        )
+        path = io.write_checkpoint(self.checkpoint_dir, name, modules, state, metadata, history)
         self.last_saved = trainer.state.boundaries
         if self.save_total_limit is not None:
             io.prune(self.checkpoint_dir, self.save_total_limit)

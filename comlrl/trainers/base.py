@@ -8,9 +8,10 @@ through :meth:`MultiAgentTrainer.run_stage`, so the library loop and the pipelin
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -25,14 +26,17 @@ from comlrl import distributed, lora, sharding
 from comlrl.memory import device_memory_metrics, enable_gradient_checkpointing, resolve_precision
 from comlrl.placement import (AgentMap, devices_of, local_gpus, map_by_device, private_tokenizers, resolve_placement,
                               runs_concurrently)
-from comlrl.errors import NonFiniteTrainingError, TrainingInterrupted, TrainingStopped
+from comlrl.errors import NonFiniteTrainingError, TrainingInterrupted
 from comlrl.export import save_pretrained_models
 from comlrl.metrics import MetricWindow
 from comlrl.rewards import JointReward
-from comlrl.rollout import SamplingParams, context_length
-from comlrl.seeding import set_seed
-from comlrl.signals import stop_on_signals
+from comlrl.episodes import Rollout, RolloutSpec, rollout_episodes, score_rollout
+from comlrl.rollout import context_length
+from comlrl.seeding import capture_rng_state, restore_rng_state, set_seed
 from comlrl.trainers.config import RolloutConfig
+from comlrl.training.loop import TrainerState, TrainingLoop
+from comlrl.training.optimizer_step import (ModelOptimizer, OptimizerSettings, StepResult,
+                                            planned_optimizer_steps)
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +56,8 @@ class Stage:
     timing: str | None = None
 
 
-@dataclass
-class TrainerState:
-    """Training progress: what a checkpoint must restore to continue exactly."""
-
-    epoch: int = 0
-    step_in_epoch: int = 0
-    global_step: int = 0
-    optimizer_steps: int = 0
-    boundaries: int = 0
-    nonfinite_updates: int = 0
-    consecutive_nonfinite: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
-
-
-class MultiAgentTrainer:
-    """Base of all trainers. Subclasses set ``config_class`` and implement ``train_step``."""
+class MultiAgentTrainer(TrainingLoop):
+    """Base of the trainers that own their agents. Subclasses set ``config_class`` and ``step_stages``."""
 
     config_class: type[RolloutConfig] = RolloutConfig
     tokenizer_explicit_for_lists = False
@@ -120,6 +110,9 @@ class MultiAgentTrainer:
         for agent, formatter in enumerate(self.formatters):  # a missing field fails now, not mid-run
             format_prompt(formatter, train_dataset[0], agent, 0)
         self.external_transition = external_transition
+        # What every rollout of this trainer samples, formats and chains (training and evaluation alike).
+        self.rollout_spec = RolloutSpec.from_config(self.args, self.formatters, external_transition)
+        self.joint_index = self.rollout_spec.joint_index
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.data_parallel = distributed.current()
@@ -155,7 +148,13 @@ class MultiAgentTrainer:
         self.agent_sources = loaded.sources
         # Per-agent generation and backward passes go through this (see comlrl.placement.AgentMap).
         self.agent_map: AgentMap = map_by_device
-        self.optimizers = self.build_agent_optimizers()
+        self.optimizer_settings = OptimizerSettings(
+            weight_decay=self.args.weight_decay, lr_scheduler_type=self.args.lr_scheduler_type,
+            warmup_steps=self.args.warmup_steps, accumulation_steps=self.args.gradient_accumulation_steps,
+            max_grad_norm=self.args.max_grad_norm, data_parallel=self.data_parallel,
+        )
+        # Every trained model's optimizer, schedule and accumulation, by checkpoint name.
+        self.model_optimizers: dict[str, ModelOptimizer] = self.build_agent_optimizers()
         self.state = self.new_state()
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
 
@@ -209,50 +208,41 @@ class MultiAgentTrainer:
     def allowed_model_config_keys(self) -> set[str]:
         return set(MODEL_CONFIG_KEYS)
 
-    def build_agent_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self._make_optimizer(agent.parameters(), self.args.agent_learning_rate) for agent in self.agents]
+    def build_agent_optimizers(self) -> dict[str, ModelOptimizer]:
+        return {f"agent_{i}": self.model_optimizer(f"agent_{i}", agent, agent.parameters(),
+                                                   self.args.agent_learning_rate, self.agent_update_passes())
+                for i, agent in enumerate(self.agents)}
 
-    def _make_optimizer(self, parameters: Any, learning_rate: float) -> torch.optim.Optimizer:
-        """AdamW with the configured learning-rate schedule attached (see :meth:`scheduler_for`).
+    def agent_update_passes(self) -> int:
+        """Backward passes (micro-batches) of each agent per rollout batch."""
+        return 1
 
-        The fused kernel where it applies (plain CPU or CUDA tensors; not FSDP's DTensors): one
-        kernel for all parameters instead of a dozen small operations each, a third of the
-        optimizer step's time on the benchmark model (benchmarks/README.md).
-        """
-        parameters = list(parameters)  # tensors, or parameter groups (dicts with "params")
-        tensors = [p for item in parameters for p in (item["params"] if isinstance(item, dict) else [item])]
-        fused = all(p.device.type in ("cpu", "cuda") and type(p.data) is torch.Tensor for p in tensors)
-        optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=self.args.weight_decay,
-                                      fused=fused or None)
-        if not hasattr(self, "_schedulers"):
-            self._schedulers: dict[int, Any] = {}
-        if self.args.lr_scheduler_type == "constant":
-            return optimizer  # nothing to schedule (and transformers' optimisation module, which pulls peft, stays unimported)
-        from transformers import get_scheduler
+    def model_optimizer(self, name: str, module: torch.nn.Module, parameters: Any, learning_rate: float,
+                        passes: int) -> ModelOptimizer:
+        """The optimizer-step component of one trained model, its schedule planned over the whole run."""
+        return ModelOptimizer(name, module, list(parameters), learning_rate, self.planned_steps(passes),
+                              self.optimizer_settings, passes)
 
-        self._schedulers[id(optimizer)] = get_scheduler(
-            self.args.lr_scheduler_type,
-            optimizer,
-            num_warmup_steps=self.args.warmup_steps,
-            num_training_steps=max(1, self.planned_optimizer_steps()),
-        )
-        return optimizer
+    # Times the run's epochs repeat (MARLHFIterTrainer's policy stage: once per iteration).
+    schedule_repeats = 1
+    # Fields added to every history row (a preference run's policy stage: its iteration).
+    history_tags: dict[str, Any] = {}
 
-    def planned_optimizer_steps(self) -> int:
-        return -(-self.args.num_train_epochs * self.batches_per_epoch() // self.args.gradient_accumulation_steps)
+    def planned_steps(self, passes: int) -> int:
+        """Optimizer steps a model with ``passes`` micro-batches per rollout batch takes over the run."""
+        return planned_optimizer_steps(self.args.num_train_epochs * self.schedule_repeats, self.batches_per_epoch(),
+                                       passes, self.args.gradient_accumulation_steps)
 
-    def scheduler_for(self, optimizer: torch.optim.Optimizer) -> Any:
-        return getattr(self, "_schedulers", {}).get(id(optimizer))
+    def replan_schedules(self, repeats: int) -> None:
+        """Plan every schedule for ``repeats`` runs of ``num_train_epochs`` (before any step)."""
+        self.schedule_repeats = repeats
+        for component in self.model_optimizers.values():
+            component.replan(self.planned_steps(component.passes))
 
     @property
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.args.temperature,
-            top_p=self.args.top_p,
-            top_k=self.args.top_k,
-            max_new_tokens=self.args.max_new_tokens,
-            backend=self.args.generation_backend,
-        )
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The agents' torch optimizers (owned by their :class:`ModelOptimizer`)."""
+        return [self.model_optimizers[f"agent_{i}"].optimizer for i in range(self.num_agents)]
 
     # ----- the loop ---------------------------------------------------------------------------
     @property
@@ -269,6 +259,18 @@ class MultiAgentTrainer:
         return [self.data_parallel.shard(batch) for batch in batches(order, self.global_batch_size)]
 
     step_stages: tuple[Stage, ...] = ()
+
+    def rollout(self, rows: list[dict[str, Any]], row_labels: list[int] | None = None) -> Rollout:
+        """Stage 1: sample every turn of the episodes starting at ``rows``."""
+        for agent in self.agents:
+            agent.eval()
+        return rollout_episodes(self.agents, self.tokenizers, self.rollout_spec, rows, row_labels, self.agent_map)
+
+    def score(self, rollout: Rollout, reward: JointReward | Callable | None = None) -> list[torch.Tensor]:
+        """Stage 2: joint rewards per turn, ``[num_nodes, num_joint]`` each (``reward`` overrides the trainer's)."""
+        if reward is not None and not isinstance(reward, JointReward):
+            reward = JointReward(reward)
+        return score_rollout(rollout, reward or self.reward)
 
     def begin_step(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The values a step's stages read and write, starting from the batch's rows."""
@@ -293,37 +295,6 @@ class MultiAgentTrainer:
         for stage in self.step_stages:
             self.run_stage(stage, values)
         return self.step_metrics(values)
-
-    def train(self, **checkpoint_options: Any) -> list[dict[str, float]]:
-        """Run ``num_train_epochs`` epochs; returns the per-step metrics history."""
-        runner = self.begin_training(**checkpoint_options)
-        with stop_on_signals() as self.stop_request:
-            try:
-                self.run_boundaries(runner)
-            except TrainingStopped as stopped:
-                stopped.checkpoint = runner.save_interrupted() if self.supports_mid_boundary_checkpoints else None
-                where = f"; resume from {stopped.checkpoint}" if stopped.checkpoint else ""
-                logger.error("%s%s", stopped, where)
-                raise
-        self.end_training(runner)
-        return self.state.history
-
-    def begin_training(self, **checkpoint_options: Any) -> Any:
-        """Seed a fresh run or restore a checkpoint, then ``on_train_begin``; returns the
-        :class:`~comlrl.checkpointing.runner.CheckpointRunner` that saves the boundaries."""
-        from comlrl.checkpointing.runner import CheckpointRunner
-
-        runner = CheckpointRunner(self, **checkpoint_options)
-        if runner.resume_path is None and self.state.global_step == 0:
-            set_seed(self.args.seed)  # a fresh run is reproducible whatever ran before it
-        runner.begin()
-        self.data_parallel.seed(self.args.seed, self.state.global_step)
-        dispatch(self.callbacks, "on_train_begin", self)
-        return runner
-
-    def end_training(self, runner: Any) -> None:
-        runner.end()
-        dispatch(self.callbacks, "on_train_end", self)
 
     def run_boundaries(self, runner: Any) -> None:
         """Every remaining boundary (here: epochs), calling ``runner.on_boundary()`` after each."""
@@ -357,7 +328,8 @@ class MultiAgentTrainer:
         metrics.update(device_memory_metrics(self.model_devices()))
         self.state.step_in_epoch += 1
         self.state.global_step += 1
-        self.state.history.append({"step": self.state.global_step, "epoch": self.state.epoch, **metrics})
+        self.state.history.append({"step": self.state.global_step, "epoch": self.state.epoch, **self.history_tags,
+                                   **metrics})
         self._log(window, metrics)
         self._maybe_evaluate()
         if progress is not None:
@@ -368,6 +340,7 @@ class MultiAgentTrainer:
             raise TrainingInterrupted(f"{request.signal_name} received: stopped after step {self.state.global_step}")
 
     def end_epoch(self) -> None:
+        self.flush_optimizers()
         self.state.epoch += 1
         self.state.step_in_epoch = 0
         self.state.boundaries += 1
@@ -400,8 +373,9 @@ class MultiAgentTrainer:
             metrics[f"agent_{agent}/completion_length"] = float(lengths.mean())
         return metrics
 
-    def evaluate(self, dataset: Any = None, num_samples: int | None = None) -> dict[str, float]:
-        """Mean joint reward on the first ``eval_num_samples`` rows of ``eval_dataset``.
+    def evaluate(self, dataset: Any = None, num_samples: int | None = None,
+                 reward: JointReward | None = None) -> dict[str, float]:
+        """Mean joint reward (the trainer's, or ``reward``) on the first ``eval_num_samples`` rows of ``eval_dataset``.
 
         Runs the trainer's ``rollout`` and ``score`` stages under a fixed seed inside a forked
         RNG (every GPU in use included), so evaluating never changes training.
@@ -415,34 +389,25 @@ class MultiAgentTrainer:
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.args.seed + 1)
             rollout = self.rollout(rows, row_labels=list(range(count)))
-            rewards = self.score(rollout)
+            rewards = self.score(rollout, reward)
         metrics = self.rollout_metrics(rollout, rewards)
-        metrics.update(self.reward.drain_monitor_metrics())
+        metrics.update((reward or self.reward).drain_monitor_metrics())
         return {f"eval/{name}": value for name, value in metrics.items()}
 
-    def step_optimizers(self, optimizers: list[torch.optim.Optimizer], models: list[torch.nn.Module]) -> list[float]:
-        """Average over processes, clip, step and zero; returns each model's gradient norm before clipping.
+    def record_steps(self, results: dict[str, StepResult | None]) -> dict[str, float]:
+        """Count the optimizer steps just taken (``None``: no step) and return their metrics."""
+        taken = {name: result for name, result in results.items() if result is not None}
+        if taken:
+            self.record_nonfinite(sum(result.skipped for result in taken.values()))
+        metrics = {}
+        for name, result in taken.items():
+            metrics[f"{name}/grad_norm"] = result.grad_norm
+            metrics[f"{name}/learning_rate"] = result.learning_rate
+        return metrics
 
-        Sharded models' gradients are DTensors: ``clip_grad_norm_`` computes their global norm.
-        """
-        self.data_parallel.average_gradients([part for model in models for part in sharding.unsharded_parts(model)])
-        norms = []
-        skipped = 0
-        for optimizer, model in zip(optimizers, models):
-            parameters = [p for p in model.parameters() if p.grad is not None]
-            max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.tensor(0.0)
-            norms.append(float(norm))
-            if torch.isfinite(norm):
-                optimizer.step()
-                scheduler = self.scheduler_for(optimizer)
-                if scheduler is not None:
-                    scheduler.step()
-            else:  # a NaN/inf loss or gradient: skip this update rather than poison the weights
-                skipped += 1
-            optimizer.zero_grad(set_to_none=True)
-        self.record_nonfinite(skipped)
-        return norms
+    def flush_optimizers(self) -> None:
+        """Apply every partial accumulation window (end of an epoch): no gradient is left unapplied."""
+        self.record_steps({name: component.flush() for name, component in self.model_optimizers.items()})
 
     def record_nonfinite(self, skipped: int) -> None:
         """Count skipped updates; too many in a row stop the run (see ``max_nonfinite_updates``)."""
@@ -454,16 +419,51 @@ class MultiAgentTrainer:
                 f"(max_nonfinite_updates={self.args.max_nonfinite_updates}); check the rewards and learning rate"
             )
 
-    # ----- checkpoint hooks (see comlrl.checkpointing.runner) -------------------------------
+    # ----- state (see comlrl.checkpointing.runner) -------------------------------------------
     boundary_kind = "epoch"
     # Whether a stop between boundaries may be checkpointed (the loop can resume mid-epoch).
     supports_mid_boundary_checkpoints = True
 
     def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        """Every trained model, by name: their weights are the checkpoint's ``models/<name>.safetensors``."""
         return {f"agent_{i}": agent for i, agent in enumerate(self.agents)}
 
-    def checkpoint_optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        return {f"agent_{i}": optimizer for i, optimizer in enumerate(self.optimizers)}
+    def stateful_objects(self) -> dict[str, Any]:
+        """The user's objects that keep state of their own (a dataset, callbacks): saved by their state_dict()."""
+        objects = {"train_dataset": self.train_dataset, **{f"callback_{i}": c for i, c in enumerate(self.callbacks)}}
+        return {name: obj for name, obj in objects.items()
+                if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))}
+
+    def state_dict(self, include_rng: bool = True) -> dict[str, Any]:
+        """Everything besides the weights that a resume needs to continue exactly: progress, every
+        optimizer-step component, the reward's counters, the user's stateful objects, the RNGs.
+
+        Tensors and plain values only. Under FSDP it is a collective: every rank calls it.
+        """
+        state = {
+            "progress": dataclasses.asdict(self.state),
+            "optimizers": {name: component.state_dict() for name, component in self.model_optimizers.items()},
+            "reward": self.reward.state_dict(),
+            "stateful": {name: obj.state_dict() for name, obj in self.stateful_objects().items()},
+        }
+        if include_rng:
+            state["rng"] = capture_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], where: str = "the checkpoint") -> None:
+        """Restore :meth:`state_dict`'s output (weights are loaded separately); the RNGs last."""
+        self.state = type(self.state)(**state["progress"])
+        missing = sorted(set(self.model_optimizers) - set(state["optimizers"]))
+        if missing:
+            raise ValueError(f"{where} holds no optimizer state for {missing}")
+        for name, component in self.model_optimizers.items():
+            component.load_state_dict(state["optimizers"][name], f"{where}, optimizer {name!r}")
+        self.reward.load_state_dict(state["reward"])
+        for name, obj in self.stateful_objects().items():
+            if name in state["stateful"]:
+                obj.load_state_dict(state["stateful"][name])
+        if "rng" in state:
+            restore_rng_state(state["rng"])
 
     def compat_settings(self) -> dict[str, Any]:
         """Settings that must be equal for a checkpoint's state to continue this run exactly."""

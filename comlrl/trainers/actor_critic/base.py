@@ -24,13 +24,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from comlrl import entities, sharding
-from comlrl.algorithms.advantages import gae, joint_index, normalize
+from comlrl.algorithms.advantages import gae, normalize
 from comlrl.algorithms.losses import value_loss
-from comlrl.episodes import Rollout, rollout_episodes, score_rollout
+from comlrl.episodes import Rollout
 from comlrl.export import save_pretrained_models, save_value_head
 from comlrl.memory import enable_gradient_checkpointing
 from comlrl.policy import policy_gradient_backward
-from comlrl.rewards import JointReward
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
 from comlrl.trainers.actor_critic.critics import CriticInput
 from comlrl.trainers.base import MultiAgentTrainer, Stage
@@ -85,27 +84,35 @@ class ActorCriticTrainer(MultiAgentTrainer):
             agent_model=agent_model, agents=agents, num_agents=num_agents, tokenizer=tokenizer,
             reward_func=reward_func, args=config, model_config=model_config, **kwargs,
         )
-        self.joint_index = joint_index(self.num_agents, self.args.num_generations, "aligned")
         self.critics = self._load_critics(critic_sources)
         self.critic_sources = [entities.model_name(source) for source in critic_sources]
         self.attach_value_heads()
+        self.model_optimizers = self.build_actor_critic_optimizers()
+
+    def build_agent_optimizers(self) -> dict[str, Any]:
+        return {}  # built once the value heads exist (build_actor_critic_optimizers)
+
+    def build_actor_critic_optimizers(self) -> dict[str, Any]:
+        """One optimizer-step component per actor and per separate critic (with its head); an actor that
+        carries its own value head trains both in one, the head at the critic's learning rate."""
+        args = self.args
         if self.critics:
-            self.critic_optimizers = [
-                self._make_optimizer(list(c.parameters()) + list(c.value_head.parameters()), self.args.critic_learning_rate)
-                for c in self.critics
-            ]
-        else:  # heads on the actors: one optimizer per actor, the head at the critic's learning rate
-            self.critic_optimizers = []
-            self.optimizers = [
-                self._make_optimizer(
-                    [
-                        {"params": list(agent.parameters()), "lr": self.args.agent_learning_rate},
-                        {"params": list(agent.value_head.parameters()), "lr": self.args.critic_learning_rate},
-                    ],
-                    self.args.agent_learning_rate,
-                )
-                for agent in self.agents
-            ]
+            components = {f"agent_{i}": self.model_optimizer(f"agent_{i}", agent, agent.parameters(),
+                                                             args.agent_learning_rate, 1)
+                          for i, agent in enumerate(self.agents)}
+            for name, critic in zip(self.critic_names(), self.critics):
+                module = self._with_head(critic)
+                components[name] = self.model_optimizer(name, module, module.parameters(), args.critic_learning_rate,
+                                                        args.critic_update_epochs)
+            return components
+        return {
+            f"agent_{i}": self.model_optimizer(
+                f"agent_{i}", self._with_head(agent),
+                [{"params": list(agent.parameters()), "lr": args.agent_learning_rate},
+                 {"params": list(agent.value_head.parameters()), "lr": args.critic_learning_rate}],
+                args.agent_learning_rate, 1)
+            for i, agent in enumerate(self.agents)
+        }
 
     # ----- what subclasses decide ------------------------------------------------------------
     def resolve_critic_sources(self, critic_model: Any, critics: Any, config: Any, num_agents: int) -> list[Any]:
@@ -180,22 +187,6 @@ class ActorCriticTrainer(MultiAgentTrainer):
         return self.resolve_devices(self.args.critic_device, sources, "critic_device")
 
     # ----- stages -------------------------------------------------------------------------------
-    def rollout(self, rows: list[dict[str, Any]], row_labels: list[int] | None = None) -> Rollout:
-        """Stage 1: sample every turn of the episodes starting at ``rows``."""
-        for agent in self.agents:
-            agent.eval()
-        return rollout_episodes(
-            self.agents, self.tokenizers, self.formatters, rows, self.joint_index, self.args.num_generations,
-            self.args.num_turns, self.sampling, self.external_transition, self.args.external_prompt_passthrough,
-            self.args.max_prompt_length, row_labels, prompt_overflow=self.args.prompt_overflow, agent_map=self.agent_map,
-        )
-
-    def score(self, rollout: Rollout, reward: JointReward | Callable | None = None) -> list[torch.Tensor]:
-        """Stage 2: joint rewards per turn, ``[num_nodes, num_generations]`` each (``reward`` overrides the trainer's)."""
-        if reward is not None and not isinstance(reward, JointReward):
-            reward = JointReward(reward)
-        return score_rollout(rollout, reward or self.reward)
-
     @torch.no_grad()
     def values(self, inputs: list[list[CriticInput]]) -> list[torch.Tensor]:
         """Stage 3: every critic's values at rollout time, ``[num_episodes, num_turns]`` per value model."""
@@ -231,36 +222,32 @@ class ActorCriticTrainer(MultiAgentTrainer):
         estimates: Estimates,
         old_values: list[torch.Tensor],
     ) -> dict[str, float]:
-        """Stage 5: actor policy-gradient and critic value-loss backward passes; step at accumulation boundaries."""
+        """Stage 5: actor policy-gradient and critic value-loss backward passes; each model's
+        optimizer-step component steps when its accumulation window is full."""
         metrics: dict[str, float] = {}
-        scale = 1.0 / self.args.gradient_accumulation_steps
+        components = self.model_optimizers
         for index, agent in enumerate(self.agents):
             agent.train()
             advantages = estimates.advantages[self.value_model_for_agent(index)]
             generations = [turn.generations[index] for turn in rollout.turns]
             metrics[f"agent_{index}/policy_loss"] = policy_gradient_backward(
                 agent, generations, [advantages[:, t] for t in range(len(generations))], ON_POLICY_CLIP,
-                self.args.temperature, None, scale=scale, entropy_coef=self.args.entropy_coef,
+                self.args.temperature, None, scale=components[f"agent_{index}"].loss_scale,
+                entropy_coef=self.args.entropy_coef,
             )
-        names = self.value_model_names()
-        passes = self.args.critic_update_epochs
-        for index, model in enumerate(self.value_models):
+        steps: dict[str, Any] = {}
+        for index, (name, model) in enumerate(zip(self.value_model_names(), self.value_models)):
             model.train()
-            for update_pass in range(passes):
-                loss = self.critic_backward(model, inputs[index], estimates.returns[index], old_values[index], scale)
-                if update_pass < passes - 1:  # only with separate critics (validated by the configs)
-                    self.step_optimizers([self.critic_optimizers[index]], [self._with_head(model)])
-            metrics[f"{names[index]}/value_loss"] = loss
-        if (self.state.global_step + 1) % self.args.gradient_accumulation_steps == 0:
-            actor_modules = [self._with_head(a) if not self.critics else a for a in self.agents]
-            # one call, so a NaN/inf anywhere counts once towards max_nonfinite_updates
-            all_norms = self.step_optimizers(
-                self.optimizers + self.critic_optimizers, actor_modules + [self._with_head(c) for c in self.critics]
-            )
-            norms, critic_norms = all_norms[:self.num_agents], all_norms[self.num_agents:]
-            self.state.optimizer_steps += 1
-            metrics.update({f"agent_{i}/grad_norm": norm for i, norm in enumerate(norms)})
-            metrics.update({f"{names[i]}/grad_norm": norm for i, norm in enumerate(critic_norms)})
+            component = components[name]
+            for _ in range(self.args.critic_update_epochs if self.critics else 1):
+                loss = self.critic_backward(model, inputs[index], estimates.returns[index], old_values[index],
+                                            component.loss_scale)
+                if self.critics:  # a separate critic: each pass is a micro-batch of its own component
+                    steps[name] = component.micro_step() or steps.get(name)
+            metrics[f"{name}/value_loss"] = loss
+        for index in range(self.num_agents):  # actors (with a shared head: after its value loss too)
+            steps[f"agent_{index}"] = components[f"agent_{index}"].micro_step()
+        metrics.update(self.record_steps(steps))
         return metrics
 
     def critic_backward(
@@ -327,18 +314,6 @@ class ActorCriticTrainer(MultiAgentTrainer):
         modules.update(dict(zip(self.critic_names(), self.critics)))
         for name, model in zip(self.value_model_names(), self.value_models):
             modules[f"{name}_value_head"] = model.value_head
-        return modules
-
-    def checkpoint_optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        optimizers = super().checkpoint_optimizers()
-        optimizers.update(dict(zip(self.critic_names(), self.critic_optimizers)))
-        return optimizers
-
-    def optimizer_modules(self) -> dict[str, torch.nn.Module]:
-        """The module holding each checkpointed optimizer's parameters: a value model's also steps its head."""
-        modules = super().checkpoint_modules()
-        for name, model in zip(self.value_model_names(), self.value_models):
-            modules[name] = self._with_head(model)
         return modules
 
     def compat_settings(self) -> dict[str, Any]:

@@ -24,8 +24,9 @@ class ActorCriticConfig(RolloutConfig):
         None, "Clip each value to within this distance of its rollout-time value in the critic loss (None = off).",
         min=0.0, min_exclusive=True, kind=(int, float), optional=True,
     )
-    critic_update_epochs: int = option(1, "Gradient passes of each critic over a rollout batch (>1 steps it in between).",
-                                       min=1)
+    critic_update_epochs: int = option(
+        1, "Gradient passes of each separate critic over a rollout batch; each pass is one micro-batch of "
+        "gradient_accumulation_steps.", min=1)
     gae_lambda: float = option(
         0.0, "GAE lambda over turns: 0 = one-step TD error r + discount*V' - V, 1 = discounted return minus V.",
         min=0.0, max=1.0,
@@ -43,11 +44,6 @@ class ActorCriticConfig(RolloutConfig):
             problems.append(
                 f"{name}.num_generations must be 1 when num_turns > 1 (got num_generations={self.num_generations}, "
                 f"num_turns={self.num_turns}): multi-turn actor-critic follows one chain per prompt"
-            )
-        if self.critic_update_epochs > 1 and self.gradient_accumulation_steps > 1:
-            problems.append(
-                f"{name}.critic_update_epochs > 1 steps the critic within a rollout, so it needs "
-                f"gradient_accumulation_steps=1 (got {self.gradient_accumulation_steps})"
             )
         return problems
 

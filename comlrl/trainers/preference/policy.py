@@ -1,19 +1,15 @@
-"""Building the policy-stage trainer of a preference run (MAGRPO, MAAC or IAC).
+"""Building the policy-stage trainer of a preference run (MAGRPO, MAAC or IAC) from the user's arguments.
 
-The policy trainer shares the preference trainer's agent objects, so the preference
-trainer's collection and the policy updates act on the same weights; its reward is the
-learned reward model, with the task reward attached as a monitor.
+The policy trainer loads and owns the agents (placement, LoRA, data parallelism and their
+optimizer-step components included), exactly as it would outside PbRL; the preference run
+collects pairs with those same agents and replaces the policy trainer's reward by the learned
+reward model, with the task reward attached as a monitor.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
-
-from comlrl.rewards import JointReward
-
-# Fields that belong to the preference trainer alone and never reach the policy config.
-PREFERENCE_ONLY = {"reward_weights"}
+from typing import Any, Sequence
 
 
 def policy_classes(rl_algorithm: str) -> tuple[type, type]:
@@ -36,15 +32,16 @@ def policy_config(args: Any, config_class: type) -> Any:
         raise ValueError(
             f"MARLHFConfig.policy_overrides has fields {unknown} that {config_class.__name__} does not define"
         )
-    shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name in names - PREFERENCE_ONLY}
+    shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name in names}
     shared["disable_tqdm"] = True
     return config_class(**{**shared, **args.policy_overrides})
 
 
-def critic_arguments(trainer: Any, config: Any, critic_model: Any, critics: Sequence[Any] | None) -> dict[str, Any]:
+def critic_arguments(args: Any, config: Any, critic_model: Any, critics: Sequence[Any] | None,
+                     first_actor: str | None) -> dict[str, Any]:
     """Critic arguments for MAAC/IAC: as given, else ``critic_model_name``, else the first actor's identifier."""
-    if trainer.args.rl_algorithm == "magrpo":
-        if critic_model is not None or critics is not None or trainer.args.critic_model_name:
+    if args.rl_algorithm == "magrpo":
+        if critic_model is not None or critics is not None or args.critic_model_name:
             raise ValueError(
                 "critic_model, critics and MARLHFConfig.critic_model_name apply only to rl_algorithm 'maac' or 'iac', "
                 "not 'magrpo'"
@@ -52,31 +49,12 @@ def critic_arguments(trainer: Any, config: Any, critic_model: Any, critics: Sequ
         return {}
     if critic_model is not None or critics is not None:
         return {"critic_model": critic_model, "critics": critics}
-    if trainer.args.rl_algorithm == "iac" and not getattr(config, "use_separate_critic", True):
+    if args.rl_algorithm == "iac" and not getattr(config, "use_separate_critic", True):
         return {}  # the actors carry their own value heads
-    return {"critic_model": trainer.args.critic_model_name or trainer.reward_model_source_for_critic()}
-
-
-def build_policy_trainer(
-    trainer: Any,
-    learned_reward: Callable[..., Sequence[float]],
-    critic_model: Any = None,
-    critics: Sequence[Any] | None = None,
-) -> Any:
-    trainer_class, config_class = policy_classes(trainer.args.rl_algorithm)
-    config = policy_config(trainer.args, config_class)
-    policy = trainer_class(
-        agents=list(trainer.agents),
-        tokenizer=list(trainer.tokenizers),
-        reward_func=learned_reward,
-        formatters=trainer.formatters,
-        external_transition=trainer.external_transition,
-        train_dataset=trainer.train_dataset,
-        eval_dataset=trainer.eval_dataset,
-        callbacks=trainer.callbacks,
-        model_config=trainer.model_config,
-        args=config,
-        **critic_arguments(trainer, config, critic_model, critics),
-    )
-    policy.reward = JointReward(learned_reward, monitors={"task_reward": trainer.task_reward})
-    return policy
+    source = args.critic_model_name or first_actor
+    if not source:
+        raise ValueError(
+            "rl_algorithm 'maac'/'iac' needs a critic: pass critic_model/critics or set MARLHFConfig.critic_model_name "
+            "(the actors are model objects without an identifier)"
+        )
+    return {"critic_model": source}

@@ -16,18 +16,15 @@ class MAGRPOConfig(RolloutConfig):
                              choices=("aligned", "cross"))
     normalize_advantages: bool = option(True, "Divide group-relative advantages by the group's reward std.")
     clip_epsilon: float = option(0.2, "PPO clip range of the probability ratio.", min=0.0, min_exclusive=True, max=1.0)
-    policy_update_epochs: int = option(1, "Gradient passes over each rollout batch (>1 reuses samples off-policy).", min=1)
+    policy_update_epochs: int = option(
+        1, "Gradient passes over each rollout batch (>1 reuses samples off-policy); each pass is one micro-batch "
+        "of gradient_accumulation_steps.", min=1)
 
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.num_generations < 2:
             problems.append(
                 f"MAGRPOConfig.num_generations must be >= 2 for a group baseline, got {self.num_generations}"
-            )
-        if self.policy_update_epochs > 1 and self.gradient_accumulation_steps > 1:
-            problems.append(
-                "MAGRPOConfig.policy_update_epochs > 1 steps the optimizer within a rollout, so it needs "
-                f"gradient_accumulation_steps=1 (got {self.gradient_accumulation_steps})"
             )
         joint = self.num_generations ** self.num_agents if self.joint_mode == "cross" else self.num_generations
         if joint ** self.num_turns > 4096:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from comlrl.algorithms.advantages import agent_advantages, group_relative_advantages, joint_index, tree_returns
-from comlrl.episodes import Rollout, rollout_episodes, score_rollout
+from comlrl.algorithms.advantages import agent_advantages, group_relative_advantages, tree_returns
+from comlrl.episodes import Rollout
 from comlrl.placement import devices_of
 from comlrl.policy import behaviour_logprobs, policy_gradient_backward
 from comlrl.trainers.base import MultiAgentTrainer, Stage
@@ -25,36 +25,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
     config_class = MAGRPOConfig
     args: MAGRPOConfig
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.joint_index = joint_index(self.num_agents, self.args.num_generations, self.args.joint_mode)
-
-    # ----- stages -----------------------------------------------------------------------------
-    def rollout(self, rows: list[dict[str, Any]], row_labels: list[int] | None = None) -> Rollout:
-        """Stage 1: sample every turn of the episodes starting at ``rows``."""
-        for agent in self.agents:
-            agent.eval()
-        return rollout_episodes(
-            self.agents,
-            self.tokenizers,
-            self.formatters,
-            rows,
-            self.joint_index,
-            self.args.num_generations,
-            self.args.num_turns,
-            self.sampling,
-            self.external_transition,
-            self.args.external_prompt_passthrough,
-            self.args.max_prompt_length,
-            row_labels,
-            self.args.prompt_overflow,
-            self.agent_map,
-        )
-
-    def score(self, rollout: Rollout) -> list[torch.Tensor]:
-        """Stage 2: joint rewards per turn, ``[num_nodes, num_joint]`` each."""
-        return score_rollout(rollout, self.reward)
-
+    # ----- stages (rollout and score: the base trainer's) ------------------------------------------------
     def advantages(self, rewards: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Stage 3: ``[agent][turn]`` advantages aligned with each agent's generation rows."""
         returns = tree_returns(rewards, self.args.discount)
@@ -67,41 +38,44 @@ class MAGRPOTrainer(MultiAgentTrainer):
         return per_agent
 
     def update(self, rollout: Rollout, advantages: list[list[torch.Tensor]]) -> dict[str, float]:
-        """Stage 4: backpropagate each agent's loss; step the optimizers at accumulation boundaries."""
+        """Stage 4: each agent's policy-gradient pass(es); its optimizer-step component steps when its
+        accumulation window is full (every pass is one micro-batch)."""
         metrics: dict[str, float] = {}
-        accumulation = self.args.gradient_accumulation_steps
 
-        def update_agent(agent_index: int) -> dict[str, float]:
+        def backward_agent(agent_index: int) -> dict[str, float]:
             return self.update_agent(agent_index, rollout, advantages[agent_index])
 
-        # Agents on different GPUs backpropagate side by side; extra passes step (and all-reduce) in order.
         if self.args.policy_update_epochs == 1:
-            per_agent = self.agent_map(update_agent, devices_of(self.agents))
+            # Agents on different GPUs backpropagate side by side; the steps (and all-reduces) follow in order.
+            for agent_metrics in self.agent_map(backward_agent, devices_of(self.agents)):
+                metrics.update(agent_metrics)
+            components = self.model_optimizers
+            metrics.update(self.record_steps({name: component.micro_step() for name, component in components.items()}))
         else:
-            per_agent = [update_agent(index) for index in range(self.num_agents)]
-        for agent_metrics in per_agent:
-            metrics.update(agent_metrics)
-        if (self.state.global_step + 1) % accumulation == 0:
-            norms = self.step_optimizers(self.optimizers, self.agents)
-            self.state.optimizer_steps += 1
-            metrics.update({f"agent_{i}/grad_norm": norm for i, norm in enumerate(norms)})
+            for index in range(self.num_agents):
+                metrics.update(backward_agent(index))
         return metrics
 
+    def agent_update_passes(self) -> int:
+        return self.args.policy_update_epochs
+
     def update_agent(self, agent_index: int, rollout: Rollout, advantages: list[torch.Tensor]) -> dict[str, float]:
-        """One agent's policy-gradient backward pass(es); with several passes, steps between them."""
+        """One agent's policy-gradient backward pass(es); with several passes each is a micro-batch of its
+        optimizer-step component, and the old log-probabilities come from before the first."""
         metrics: dict[str, float] = {}
         agent = self.agents[agent_index]
+        component = self.model_optimizers[f"agent_{agent_index}"]
         passes = self.args.policy_update_epochs
         agent.train()
         generations = [turn.generations[agent_index] for turn in rollout.turns]
         old = behaviour_logprobs(agent, generations, self.args.temperature) if passes > 1 else None
-        for update_pass in range(passes):
+        for _ in range(passes):
             loss = policy_gradient_backward(
                 agent, generations, advantages, self.args.clip_epsilon,
-                self.args.temperature, old, scale=1.0 / self.args.gradient_accumulation_steps,
+                self.args.temperature, old, scale=component.loss_scale,
             )
-            if passes > 1 and update_pass < passes - 1:
-                metrics[f"agent_{agent_index}/grad_norm"] = self.step_optimizers([self.optimizers[agent_index]], [agent])[0]
+            if passes > 1:
+                metrics.update(self.record_steps({component.name: component.micro_step()}))
         metrics[f"agent_{agent_index}/loss"] = loss
         return metrics
 
