@@ -1,0 +1,186 @@
+"""The combination matrix: trainer x update passes x accumulation x LR schedule x LoRA, every cell checked.
+
+For each cell a run of two boundaries is checked for what the user planned:
+- the learning rate at every optimizer step of every trained model is the planned schedule over the
+  whole run (``transformers.get_scheduler``'s formulas, written out here), and the run takes
+  exactly the planned number of optimizer steps (a linear schedule never reaches 0 early);
+- no gradient is left unapplied at the end (every ``.grad`` is None, nothing pending);
+- resuming from a checkpoint taken mid-run ends bit-identical to the uninterrupted run, with the
+  same learning rates at the remaining steps.
+A second group interrupts a run mid-epoch while gradients are pending (accumulation 3) and
+resumes it. The data-parallel cells are in test_matrix_ddp.py, the generation backends in
+test_backends.py.
+
+Sizes: 4 prompts, batch 1, so an epoch has 4 rollout batches; with accumulation 3 that is not a
+multiple of the window, so every epoch ends with a flushed partial window.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from comlrl.callbacks import TrainerCallback
+from comlrl.errors import TrainingInterrupted
+from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+from comlrl.trainers.preference import MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+TRAINERS = ("magrpo", "iac", "maac", "marlhf", "marlhf_iter")
+PROMPTS = ["write about the cat", "write about the sun", "write about the tree", "write about the road"]
+LEARNING_RATE = 1e-3
+# The boundary each trainer's resume starts from (after it, the run still has work that depends on the state).
+RESUME_FROM = {"magrpo": 1, "iac": 1, "maac": 1, "marlhf": 2, "marlhf_iter": 4}
+
+
+def letters_reward(completions_0, completions_1):
+    return [0.5 * a.count("e") / max(len(a), 1) + 0.5 * b.count("o") / max(len(b), 1)
+            for a, b in zip(completions_0, completions_1)]
+
+
+def build(kind: str, model: str, passes: int, accumulation: int, schedule: str, lora: bool):
+    common = dict(num_agents=2, num_generations=2, max_new_tokens=4, temperature=1.0, agent_learning_rate=LEARNING_RATE,
+                  per_device_train_batch_size=1, gradient_accumulation_steps=accumulation, lr_scheduler_type=schedule,
+                  lora_rank=2 if lora else None, seed=3, disable_tqdm=True)
+    data = dict(reward_func=letters_reward, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    if kind == "magrpo":
+        return MAGRPOTrainer(agent_model=model, args=MAGRPOConfig(policy_update_epochs=passes, num_train_epochs=2,
+                                                                  **common), **data)
+    if kind in ("iac", "maac"):
+        critic = dict(critic_learning_rate=2 * LEARNING_RATE, critic_update_epochs=passes, num_train_epochs=2)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        if kind == "iac":
+            return IACTrainer(agent_model=model, tokenizer=tokenizer, critic_model=model,
+                              args=IACConfig(use_separate_critic=True, **critic, **common), **data)
+        return MAACTrainer(agent_model=model, tokenizer=tokenizer, critic_model=model,
+                           args=MAACConfig(**critic, **common), **data)
+    preference = dict(policy_update_epochs=passes, reward_model_device=None, preference_num_generations=4,
+                      reward_train_epochs=1, reward_batch_size=4, **common)
+    if kind == "marlhf":
+        return MARLHFTrainer(agent_model=model, args=MARLHFConfig(num_train_epochs=2, **preference), **data)
+    return MARLHFIterTrainer(agent_model=model, args=MARLHFConfig(num_train_epochs=1, num_iterations=2, **preference),
+                             **data)
+
+
+def components(trainer):
+    """Every optimizer-step component of the trainer (a preference run's live in its policy trainer)."""
+    return getattr(trainer, "policy_trainer", trainer).model_optimizers
+
+
+def record_learning_rates(trainer) -> dict[str, list[list[float]]]:
+    """Per component, the learning rate of every parameter group at each optimizer step (a real step hook)."""
+    seen: dict[str, list[list[float]]] = {}
+    for name, component in components(trainer).items():
+        seen[name] = []
+        component.optimizer.register_step_pre_hook(
+            lambda optimizer, args, kwargs, log=seen[name]: log.append([g["lr"] for g in optimizer.param_groups]))
+    return seen
+
+
+def schedule_factor(schedule: str, step: int, total: int) -> float:
+    """transformers' schedules without warm-up, written out: the LR multiplier at 0-based ``step`` of ``total``."""
+    if schedule == "linear":
+        return (total - step) / total
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * step / total))
+    return 1.0
+
+
+def planned_steps(kind: str, name: str, passes: int, accumulation: int) -> int:
+    """The optimizer steps each model must take: 2 epochs (or 2 iterations of 1) x ceil(4 batches x passes / A)."""
+    model_passes = passes if (kind not in ("iac", "maac") or name.startswith("critic")) else 1
+    return 2 * math.ceil(4 * model_passes / accumulation)
+
+
+def weights(trainer) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: {k: v.detach().clone() for k, v in module.state_dict().items()}
+            for name, module in trainer.checkpoint_modules().items()}
+
+
+def assert_same_weights(expected, actual) -> None:
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        for key, tensor in expected[name].items():
+            assert torch.equal(tensor, actual[name][key]), f"{name}.{key} differs after resume"
+
+
+def assert_no_gradient_left(trainer) -> None:
+    for name, component in components(trainer).items():
+        assert component.pending == 0, f"{name}: {component.pending} micro-batches never applied"
+        left = [n for n, p in component.module.named_parameters() if p.grad is not None]
+        assert not left, f"{name}: gradients left on {left[:3]}"
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("accumulation", [1, 3], ids=["acc1", "acc3"])
+@pytest.mark.parametrize("passes", [1, 2], ids=["passes1", "passes2"])
+@pytest.mark.parametrize("kind", TRAINERS)
+def test_cell(kind, passes, accumulation, schedule, lora, tiny_llama, tmp_path):
+    straight = build(kind, tiny_llama, passes, accumulation, schedule, lora)
+    learning_rates = record_learning_rates(straight)
+    straight.train(checkpoint_dir=tmp_path / "run", checkpoint_interval=1)
+
+    # The planned schedule, step by step, over the whole run; exactly the planned number of steps.
+    for name, steps in learning_rates.items():
+        component = components(straight)[name]
+        total = planned_steps(kind, name, passes, accumulation)
+        assert component.planned_steps == total and len(steps) == total, (name, len(steps), total)
+        bases = [group["initial_lr"] if "initial_lr" in group else group["lr"]
+                 for group in component.optimizer.param_groups]
+        for step, groups in enumerate(steps):
+            expected = [base * schedule_factor(schedule, step, total) for base in bases]
+            assert groups == pytest.approx(expected, rel=1e-12, abs=0.0), (name, step, groups, expected)
+        assert min(steps[-1]) > 0.0, f"{name}: the last step ran at LR 0"
+    assert_no_gradient_left(straight)
+
+    # Resume from a mid-run checkpoint: the same weights, rewards and learning rates as the uninterrupted run.
+    resumed = build(kind, tiny_llama, passes, accumulation, schedule, lora)
+    resumed_rates = record_learning_rates(resumed)
+    resumed.train(resume_from_checkpoint=tmp_path / "run" / f"checkpoint-{RESUME_FROM[kind]}",
+                  checkpoint_dir=tmp_path / "resumed")
+    assert_same_weights(weights(straight), weights(resumed))
+    assert [s["reward_mean"] for s in straight.state.history] == [s["reward_mean"] for s in resumed.state.history]
+    for name, steps in resumed_rates.items():
+        assert steps == learning_rates[name][len(learning_rates[name]) - len(steps):], name
+    assert_no_gradient_left(resumed)
+
+
+class StopAfter(TrainerCallback):
+    """Sends this process a real SIGTERM after the given step (the trainer finishes it and checkpoints)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_log(self, trainer, metrics, step):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("passes", [1, 2], ids=["passes1", "passes2"])
+@pytest.mark.parametrize("kind", ["magrpo", "iac", "maac"])
+def test_stop_with_pending_gradients_resumes_exactly(kind, passes, tiny_llama, tmp_path):
+    """A stop after step 5 (epoch 2, one micro-batch into a window of 3) checkpoints the pending gradients."""
+    straight = build(kind, tiny_llama, passes, 3, "linear", False)
+    straight.train()
+
+    interrupted = build(kind, tiny_llama, passes, 3, "linear", False)
+    interrupted.callbacks.append(StopAfter(5))
+    with pytest.raises(TrainingInterrupted) as info:
+        interrupted.train(checkpoint_dir=tmp_path, checkpoint_interval=1)
+    pending = {name: c.pending for name, c in components(interrupted).items()}
+    assert any(pending.values()), pending  # the checkpoint really holds a partial window
+    saved = torch.load(os.path.join(info.value.checkpoint, "state.pt"), weights_only=True)
+    assert {name: s["pending"] for name, s in saved["optimizers"].items()} == pending
+    assert all(s["pending_grads"] for s in saved["optimizers"].values() if s["pending"])
+
+    resumed = build(kind, tiny_llama, passes, 3, "linear", False)
+    resumed.train(resume_from_checkpoint=info.value.checkpoint)
+    assert_same_weights(weights(straight), weights(resumed))
+    assert [s["reward_mean"] for s in straight.state.history] == [s["reward_mean"] for s in resumed.state.history]
