@@ -106,6 +106,18 @@ class DataParallel:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         return dict(zip(names, (values / self.world_size).tolist()))
 
+    def all_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over the processes (a copy; itself in one process)."""
+        if not self.enabled:
+            return values
+        buffer = values.detach().clone().to(self._comm_device())
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
+        return buffer.to(values.device)
+
+    def average_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each tensor averaged over the processes (copies; every rank passes the same names)."""
+        return {name: self.all_sum(tensor) / self.world_size for name, tensor in sorted(tensors.items())}
+
     def broadcast_parameters(self, models: Sequence[torch.nn.Module]) -> None:
         """Rank 0's weights and buffers to every rank (as DDP does at construction)."""
         if not self.enabled:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -12,13 +13,43 @@ from comlrl.logprobs import completion_logits, completion_logprobs, token_logpro
 from comlrl.rollout import Generation
 
 
+@contextmanager
+def dropout_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Forward passes inside run without dropout, as the completions were sampled (rollouts run in eval mode).
+
+    Every submodule is put in eval mode except those that checkpoint activations (a
+    ``gradient_checkpointing`` flag that is set): Transformers recomputes a layer in the backward
+    pass only while it is in training mode, so those layers keep their mode; their dropout sits
+    in their submodules (attention, MLP, ``nn.Dropout``), which are in eval mode. (A checkpointing
+    module that applied dropout itself, rather than through a submodule, would keep it.) Each
+    module's own mode is restored on exit. This is how RL fine-tuning of LLMs usually runs (TRL
+    turns dropout off in its GRPO and PPO trainers): with dropout on, the behaviour log-probs and
+    the update's log-probs would be different random functions of the same tokens, and the
+    probability ratio would clip on dropout noise.
+    """
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        for module, _ in modes:
+            if not getattr(module, "gradient_checkpointing", False):
+                module.training = False
+        yield model
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
 @torch.inference_mode()
 def behaviour_logprobs(model: PreTrainedModel, generations: Sequence[Generation], temperature: float) -> list[torch.Tensor]:
-    """Log-probabilities under the policy that sampled, before any update (no graph kept)."""
-    return [
-        completion_logprobs(model, g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, temperature)
-        for g in generations
-    ]
+    """Log-probabilities under the policy that sampled, before any update (no graph kept).
+
+    Computed with dropout off (:func:`dropout_disabled`), whatever mode ``model`` is in, so two
+    calls give the same numbers and they match the update's forward passes; the mode is restored.
+    """
+    with dropout_disabled(model):
+        return [
+            completion_logprobs(model, g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, temperature)
+            for g in generations
+        ]
 
 
 def policy_gradient_backward(
@@ -37,25 +68,29 @@ def policy_gradient_backward(
     averaged by completion count. When ``old_logprobs`` is None the policy has not changed
     since sampling, so the detached current log-probabilities serve (ratio 1, same gradient)
     and a second forward pass is saved. ``entropy_coef > 0`` subtracts that multiple of the
-    mean per-token entropy of the policy (an exploration bonus).
+    mean per-token entropy of the policy (an exploration bonus). The forward passes run with
+    dropout off (:func:`dropout_disabled`), as the behaviour log-probabilities do, so the first
+    pass's probability ratio is exactly 1.
     """
     total_rows = sum(g.completion_ids.shape[0] for g in generations)
     loss_value = 0.0
-    for turn, (generation, turn_advantages) in enumerate(zip(generations, advantages)):
-        inputs = (generation.prompt_ids, generation.prompt_mask, generation.completion_ids, generation.completion_mask)
-        if entropy_coef > 0:
-            logits = completion_logits(model, *inputs, temperature)
-            logprobs = token_logprobs(logits, generation.completion_ids)
-            entropy = masked_sequence_mean(token_entropy(logits), generation.completion_mask).mean()
-        else:
-            logprobs = completion_logprobs(model, *inputs, temperature)
-        old = old_logprobs[turn] if old_logprobs is not None else logprobs.detach()
-        weight = generation.completion_ids.shape[0] / total_rows
-        loss = clipped_policy_loss(
-            logprobs, old, turn_advantages.to(logprobs.device), generation.completion_mask, clip_epsilon
-        )
-        if entropy_coef > 0:
-            loss = loss - entropy_coef * entropy
-        (loss * weight * scale).backward()
-        loss_value += float(loss.detach()) * weight
+    with dropout_disabled(model):
+        for turn, (generation, turn_advantages) in enumerate(zip(generations, advantages)):
+            inputs = (generation.prompt_ids, generation.prompt_mask,
+                      generation.completion_ids, generation.completion_mask)
+            if entropy_coef > 0:
+                logits = completion_logits(model, *inputs, temperature)
+                logprobs = token_logprobs(logits, generation.completion_ids)
+                entropy = masked_sequence_mean(token_entropy(logits), generation.completion_mask).mean()
+            else:
+                logprobs = completion_logprobs(model, *inputs, temperature)
+            old = old_logprobs[turn] if old_logprobs is not None else logprobs.detach()
+            weight = generation.completion_ids.shape[0] / total_rows
+            loss = clipped_policy_loss(
+                logprobs, old, turn_advantages.to(logprobs.device), generation.completion_mask, clip_epsilon
+            )
+            if entropy_coef > 0:
+                loss = loss - entropy_coef * entropy
+            (loss * weight * scale).backward()
+            loss_value += float(loss.detach()) * weight
     return loss_value

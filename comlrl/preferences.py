@@ -117,9 +117,18 @@ def load_pairs(path: str | Path) -> Dataset:
     return Dataset.from_parquet(str(path))
 
 
-def split_heldout(num_pairs: int, heldout_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """Seeded split of pair indices into (train, held-out); at least one train pair when any exist."""
-    order = torch.randperm(num_pairs, generator=torch.Generator().manual_seed(seed)).tolist()
-    heldout = int(round(num_pairs * heldout_fraction))
-    heldout = min(heldout, max(num_pairs - 1, 0))
-    return sorted(order[heldout:]), sorted(order[:heldout])
+def split_heldout(num_pairs: int, heldout_fraction: float, seed: int,
+                  groups: Sequence[Any] | None = None) -> tuple[list[int], list[int]]:
+    """Seeded split of pair indices into (train, held-out); at least one train pair when any exist.
+
+    With ``groups`` (each pair's ``row_index``) whole prompts are held out: the pairs of one prompt
+    are built from the same few joint completions, so a pair-level split would score held-out pairs
+    on completions the model was trained on and report memorisation as accuracy.
+    """
+    keys = list(dict.fromkeys(groups)) if groups is not None else list(range(num_pairs))
+    order = torch.randperm(len(keys), generator=torch.Generator().manual_seed(seed)).tolist()
+    count = min(int(round(len(keys) * heldout_fraction)), max(len(keys) - 1, 0))
+    held = {keys[i] for i in order[:count]}
+    members = groups if groups is not None else range(num_pairs)
+    return ([i for i, key in enumerate(members) if key not in held],
+            [i for i, key in enumerate(members) if key in held])

@@ -11,7 +11,7 @@ and, past ``max_length``, cut by :func:`joint_token_budget` so every agent keeps
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,9 +21,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from comlrl.algorithms.losses import bradley_terry_loss
 from comlrl.device import resolve_device
+from comlrl.distributed import DataParallel
 from comlrl.entities import load_causal_lm, load_tokenizer, prepare_tokenizer
 from comlrl.export import save_value_head
 from comlrl.preferences import joint_input_sections
+from comlrl.training.optimizer_step import ModelOptimizer, OptimizerSettings
 from comlrl.value_heads import attach_value_head, sequence_values
 
 logger = logging.getLogger(__name__)
@@ -215,6 +217,9 @@ class RewardFitResult:
     num_train_pairs: int
     num_heldout_pairs: int
     identical_pairs: int = 0  # pairs whose chosen and rejected encode to the same ids (train + held-out)
+    heldout_curve: list[float] = field(default_factory=list)  # held-out accuracy after each epoch (early stopping)
+    best_epoch: int = -1  # the epoch whose weights the model keeps
+
 
     def metrics(self) -> dict[str, float]:
         metrics = {
@@ -223,6 +228,8 @@ class RewardFitResult:
             "reward_model/train_pairs": float(self.num_train_pairs),
             "reward_model/heldout_pairs": float(self.num_heldout_pairs),
             "reward_model/identical_pairs": float(self.identical_pairs),
+            "reward_model/epochs": float(len(self.losses)),
+            "reward_model/best_epoch": float(self.best_epoch),
         }
         if self.heldout_accuracy is not None:
             metrics["reward_model/heldout_accuracy"] = self.heldout_accuracy
@@ -274,16 +281,26 @@ def fit_reward_model(
     learning_rate: float,
     seed: int,
     freeze_backbone: bool = False,
+    patience: int | None = None,
 ) -> RewardFitResult:
-    """Bradley-Terry fit on the train pairs; accuracy on train and held-out pairs."""
+    """Bradley-Terry fit on the train pairs; accuracy on train and held-out pairs.
+
+    With held-out pairs and ``patience``, the fit is judged on held-out accuracy after every
+    epoch: it stops once ``patience`` epochs in a row have not improved on the best one, and the
+    model keeps the best epoch's weights (so a few pairs cannot be memorised at the cost of
+    generalisation).
+    """
     if freeze_backbone:
         model.freeze_backbone()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=learning_rate)
+    settings = OptimizerSettings(weight_decay=0.01, lr_scheduler_type="constant", warmup_steps=0, accumulation_steps=1,
+                                 max_grad_norm=None, data_parallel=DataParallel())  # every rank fits the same pairs
+    optimizer = ModelOptimizer("reward_model", model, parameters, learning_rate, 1, settings)
     generator = torch.Generator().manual_seed(seed)
-    losses = []
-    train_indices = list(train_indices)
-    for _ in range(epochs if train_indices else 0):
+    losses, heldout_curve = [], []
+    train_indices, heldout_indices = list(train_indices), list(heldout_indices)
+    best: tuple[float, int, dict[str, torch.Tensor]] | None = None
+    for epoch in range(epochs if train_indices else 0):
         model.train()
         order = [train_indices[i] for i in torch.randperm(len(train_indices), generator=generator).tolist()]
         epoch_losses = []
@@ -291,13 +308,22 @@ def fit_reward_model(
             scores = model(*_pair_batch(model, pairs, order[start:start + batch_size]))
             half = scores.shape[0] // 2
             loss = bradley_terry_loss(scores[:half], scores[half:])
-            optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            optimizer.step()
+            optimizer.micro_step()
             epoch_losses.append(float(loss.detach()))
         losses.append(sum(epoch_losses) / len(epoch_losses))
+        if patience is None or not heldout_indices:
+            continue
+        accuracy = preference_accuracy(model, pairs, heldout_indices, batch_size)
+        heldout_curve.append(accuracy)
+        if best is None or accuracy > best[0]:
+            best = (accuracy, epoch, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        elif epoch - best[1] >= patience:
+            break
+    if best is not None:
+        model.load_state_dict(best[2])
     train_accuracy, train_identical = _accuracy_and_identical(model, pairs, train_indices, batch_size)
-    heldout_accuracy, heldout_identical = _accuracy_and_identical(model, pairs, list(heldout_indices), batch_size)
+    heldout_accuracy, heldout_identical = _accuracy_and_identical(model, pairs, heldout_indices, batch_size)
     return RewardFitResult(
         losses=losses,
         train_accuracy=train_accuracy,
@@ -305,6 +331,8 @@ def fit_reward_model(
         num_train_pairs=len(train_indices),
         num_heldout_pairs=len(heldout_indices),
         identical_pairs=train_identical + heldout_identical,
+        heldout_curve=heldout_curve,
+        best_epoch=best[1] if best is not None else len(losses) - 1,
     )
 
 

@@ -11,7 +11,8 @@ also exports the agents, samples a different number of tokens on each rank, and,
 1-process checkpoint, resumes it for a second step. With ``--trainer maac`` or ``iac`` it runs
 two steps of that actor-critic trainer (critics from MODEL_DIR; ``iac_shared``: value heads on the
 actors) instead, saving every module's
-gathered weights, its checkpoints and an export.
+gathered weights, its checkpoints and an export. With ``--trainer matrix`` it runs the data-parallel
+cells of the combination matrix (tests/test_matrix_ddp.py, :func:`run_matrix`).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed_worker.py MODEL_DIR PROMPTS_JSON OUT_DIR [CHECKPOINT] [--trainer maac]
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import zlib
 from pathlib import Path
 
@@ -174,10 +176,201 @@ def run_actor_critic(kind: str, model_dir: str, prompts: list[str], out: Path) -
         (out / "history.json").write_text(json.dumps(history))
 
 
+# ----- the combination matrix's data-parallel cells (tests/test_matrix_ddp.py) ---------------------------
+# 4 prompts in global batches of 2 make 2 rollout batches an epoch, not a multiple of the accumulation
+# window of 3, so every epoch ends with a flushed partial window. The worker's 2 processes take 1 prompt
+# each, the 1-process reference (tests/test_matrix_ddp.py) 2.
+MATRIX_ACCUMULATION = 3
+MATRIX_GLOBAL_BATCH = 2
+
+
+class StopsAfterStep:
+    """Mixin: after step ``stop_after`` every rank receives a real SIGTERM (as a preempted launch's
+    processes all do), so the run stops there and checkpoints, possibly with gradients pending."""
+
+    stop_after: int | None = None
+
+    def record_step(self, metrics, window, progress=None):
+        if self.stop_after is not None and self.state.global_step + 1 == self.stop_after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        super().record_step(metrics, window, progress)
+
+
+class MatrixMAGRPO(StopsAfterStep, PerPromptSeededMAGRPO):
+    pass
+
+
+class MatrixIAC(StopsAfterStep, PerPromptSeededIAC):
+    pass
+
+
+def build_matrix_magrpo(model_dir: str, prompts: list[str], per_device_batch: int) -> MatrixMAGRPO:
+    """MAGRPO, 2 policy passes per batch, accumulation 3, linear schedule, 2 epochs."""
+    from datasets import Dataset
+
+    args = MAGRPOConfig(
+        num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, agent_learning_rate=1e-3,
+        max_grad_norm=1.0, per_device_train_batch_size=per_device_batch, num_train_epochs=2, policy_update_epochs=2,
+        gradient_accumulation_steps=MATRIX_ACCUMULATION, lr_scheduler_type="linear", seed=11, device="cpu",
+        disable_tqdm=True,
+    )
+    return MatrixMAGRPO(agent_model=model_dir, num_agents=2, reward_func=letter_reward,
+                        train_dataset=Dataset.from_dict({"prompt": prompts}), args=args)
+
+
+def build_matrix_iac(model_dir: str, prompts: list[str], per_device_batch: int) -> MatrixIAC:
+    """IAC with separate critics (2 critic passes per batch), accumulation 3, cosine schedule, 2 epochs, and
+    advantages standardised over the global batch (every rank's samples)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    args = IACConfig(
+        num_agents=2, num_generations=2, max_new_tokens=6, temperature=1.0, agent_learning_rate=1e-3,
+        critic_learning_rate=2e-3, max_grad_norm=1.0, per_device_train_batch_size=per_device_batch,
+        num_train_epochs=2, use_separate_critic=True, critic_update_epochs=2, critic_value_head_hidden_dim=8,
+        normalize_advantages=True,
+        gradient_accumulation_steps=MATRIX_ACCUMULATION, lr_scheduler_type="cosine", seed=11, device="cpu",
+        disable_tqdm=True,
+    )
+    return MatrixIAC(agent_model=model_dir, tokenizer=AutoTokenizer.from_pretrained(model_dir),
+                     critics=[model_dir, model_dir], num_agents=2, reward_func=letter_reward,
+                     train_dataset=Dataset.from_dict({"prompt": prompts}), args=args)
+
+
+def build_matrix_marlhf(model_dir: str, prompts: list[str], per_device_batch: int):
+    from datasets import Dataset
+
+    from comlrl.trainers.preference import MARLHFConfig, MARLHFTrainer
+
+    args = MARLHFConfig(
+        num_agents=2, num_generations=2, max_new_tokens=6, temperature=1.0, agent_learning_rate=1e-3,
+        per_device_train_batch_size=per_device_batch, num_train_epochs=1,
+        gradient_accumulation_steps=MATRIX_ACCUMULATION,
+        reward_model_device=None, preference_num_generations=4, reward_train_epochs=1, reward_batch_size=4,
+        reward_learning_rate=1e-3, seed=3, device="cpu", disable_tqdm=True,
+    )
+    return MARLHFTrainer(agent_model=model_dir, num_agents=2, reward_func=letter_reward,
+                         train_dataset=Dataset.from_dict({"prompt": prompts}), args=args)
+
+
+# What every rank's fitted reward model scores (a fixed joint response).
+FIXED_JOINT = ("write a story about the sun", ["the sun rose over the hill", "a boat on the river"])
+
+
+def record_learning_rates(components: dict) -> dict[str, list[float]]:
+    """Per optimizer-step component, the learning rate each real optimizer step runs at (a step pre-hook)."""
+    seen: dict[str, list[float]] = {}
+    for name, component in components.items():
+        log = seen.setdefault(name, [])
+        component.optimizer.register_step_pre_hook(
+            lambda optimizer, args, kwargs, log=log: log.append(float(optimizer.param_groups[0]["lr"])))
+    return seen
+
+
+def leftovers(trainer) -> dict[str, dict]:
+    """Per component, the micro-batches still pending and the parameters still holding a gradient."""
+    result = {name: {"pending": component.pending,
+                     "grads": [n for n, p in component.module.named_parameters() if p.grad is not None]}
+              for name, component in trainer.model_optimizers.items()}
+    result["all_modules"] = {"pending": 0, "grads": [
+        f"{name}.{n}" for name, module in trainer.checkpoint_modules().items()
+        for n, p in module.named_parameters() if p.grad is not None]}
+    return result
+
+
+def plain_weights(trainer) -> dict[str, dict[str, torch.Tensor]]:
+    return {name: {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            for name, module in trainer.checkpoint_modules().items()}
+
+
+def run_matrix_cell(builder, model_dir: str, prompts: list[str], out: Path, stop_after: int | None = None) -> None:
+    """Train a cell on 2 processes; every rank writes its learning rates, leftovers and final weights."""
+    from comlrl.errors import TrainingInterrupted
+
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = builder(model_dir, prompts, per_device_batch=MATRIX_GLOBAL_BATCH // 2)
+    assert trainer.data_parallel.world_size == 2 and trainer.data_parallel.fsdp is None, trainer.data_parallel
+    rank = trainer.data_parallel.rank
+    rates = record_learning_rates(trainer.model_optimizers)
+    trainer.stop_after = stop_after
+    try:
+        history = trainer.train(checkpoint_dir=out / "checkpoints")
+    except TrainingInterrupted as stopped:
+        history = trainer.state.history
+        (out / f"stopped_{rank}.json").write_text(json.dumps({
+            "checkpoint": stopped.checkpoint, "global_step": trainer.state.global_step,
+            "pending": {name: c.pending for name, c in trainer.model_optimizers.items()}}))
+    (out / f"lrs_{rank}.json").write_text(json.dumps(rates))
+    (out / f"leftovers_{rank}.json").write_text(json.dumps(leftovers(trainer)))
+    (out / f"history_{rank}.json").write_text(json.dumps(history))
+    torch.save(plain_weights(trainer), out / f"weights_{rank}.pt")
+
+
+class EachRankAlone:
+    """The preference stage's view of data parallelism before the fix: every rank collects every prompt
+    with its own sampling stream, keeps its own pairs and its own fitted reward model."""
+
+    enabled = False  # nothing gathered
+
+    def __init__(self, data_parallel) -> None:
+        self._data_parallel = data_parallel
+
+    def __getattr__(self, name):
+        return getattr(self._data_parallel, name)
+
+    def shard(self, batch):
+        return list(batch)
+
+    def broadcast_parameters(self, models) -> None:
+        return None
+
+
+def save_preference_state(trainer, out: Path, rank: int) -> None:
+    """A rank's preference pairs, reward-model weights and its score of :data:`FIXED_JOINT`."""
+    prompt, joint = FIXED_JOINT
+    score = trainer.reward_model.score([prompt], [[completion] for completion in joint])
+    (out / f"pairs_{rank}.json").write_text(json.dumps(trainer.preference_pairs.to_list()))
+    torch.save({"reward_model": {k: v.detach().cpu().clone() for k, v in trainer.reward_model.state_dict().items()},
+                "score": score.clone()}, out / f"reward_{rank}.pt")
+
+
+def run_matrix_marlhf(model_dir: str, prompts: list[str], out: Path) -> None:
+    """A whole MARLHF run on 2 processes, then (``local``) the preference stages as they ran before the
+    stage gathered pairs and broadcast the fit (:class:`EachRankAlone`)."""
+    (out / "marlhf").mkdir(parents=True, exist_ok=True)
+    (out / "marlhf_local").mkdir(parents=True, exist_ok=True)
+    trainer = build_matrix_marlhf(model_dir, prompts, per_device_batch=MATRIX_GLOBAL_BATCH // 2)
+    rank = trainer.data_parallel.rank
+    assert trainer.data_parallel.world_size == 2
+    trainer.train()
+    save_preference_state(trainer, out / "marlhf", rank)
+    torch.save(plain_weights(trainer), out / "marlhf" / f"weights_{rank}.pt")
+    shard = trainer.data_parallel.shard(list(range(len(prompts))))
+    (out / "marlhf" / f"rows_{rank}.json").write_text(json.dumps(shard))
+
+    local = build_matrix_marlhf(model_dir, prompts, per_device_batch=MATRIX_GLOBAL_BATCH // 2)
+    local.preference.data_parallel = EachRankAlone(local.preference.data_parallel)
+    local.data_parallel.seed(local.args.seed, 0)  # each rank's own sampling stream, as train() sets it
+    local.run_next_stage()  # collect_preferences
+    local.run_next_stage()  # fit_reward_model
+    save_preference_state(local, out / "marlhf_local", rank)
+
+
+def run_matrix(model_dir: str, prompts: list[str], out: Path) -> None:
+    """Every data-parallel matrix cell: MAGRPO (straight, and stopped mid-window after step 1), IAC, MARLHF."""
+    run_matrix_cell(build_matrix_magrpo, model_dir, prompts, out / "magrpo")
+    run_matrix_cell(build_matrix_magrpo, model_dir, prompts, out / "magrpo_stop", stop_after=1)
+    run_matrix_cell(build_matrix_iac, model_dir, prompts, out / "iac")
+    run_matrix_marlhf(model_dir, prompts, out)
+
+
 def main(model_dir: str, prompts_file: str, out_dir: str, resume: str | None = None, trainer_kind: str = "magrpo"
          ) -> None:
     prompts = json.loads(Path(prompts_file).read_text())
     out = Path(out_dir)
+    if trainer_kind == "matrix":
+        run_matrix(model_dir, prompts, out)
+        return
     if trainer_kind != "magrpo":
         run_actor_critic(trainer_kind, model_dir, prompts, out)
         return
@@ -211,6 +404,6 @@ if __name__ == "__main__":
     for name in ("model_dir", "prompts_file", "out_dir"):
         parser.add_argument(name)
     parser.add_argument("resume", nargs="?")
-    parser.add_argument("--trainer", default="magrpo", choices=("magrpo", "maac", "iac", "iac_shared"))
+    parser.add_argument("--trainer", default="magrpo", choices=("magrpo", "maac", "iac", "iac_shared", "matrix"))
     arguments = parser.parse_args()
     main(arguments.model_dir, arguments.prompts_file, arguments.out_dir, arguments.resume, arguments.trainer)

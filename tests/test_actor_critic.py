@@ -124,8 +124,8 @@ def test_spec_independent_shared_critic_example(tiny_llama, tiny_gpt2, reward_fu
     )
     assert trainer.critics == []
     assert [trainer.agents[i].value_head.layers[0].in_features for i in range(2)] == [64, 48]
-    # the head trains at the critic's learning rate, inside the actor's optimizer
-    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [5e-6, 5e-6]
+    # the head trains at the value heads' learning rate, inside the actor's optimizer
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == [5e-6, 1e-3]
     heads = [snapshot(a.value_head) for a in trainer.agents]
     trainer.train()
     assert all(changed(h, a.value_head) for h, a in zip(heads, trainer.agents))
@@ -258,30 +258,53 @@ def test_multi_turn_td_targets_and_stage_shapes(tiny_llama, train_dataset):
     trainer = MAACTrainer(
         agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, external_transition=transition,
         reward_func=lambda c0, c1: [float(len(a)) / 10 for a in c0], train_dataset=train_dataset.select(range(4)),
-        args=MAACConfig(num_agents=2, num_turns=2, discount=0.5, per_device_train_batch_size=2, critic_type="q", **FAST),
+        args=MAACConfig(num_agents=2, num_turns=2, discount=0.5, per_device_train_batch_size=2, critic_type="v",
+                        normalize_advantages=False, **FAST),
     )
     rollout = trainer.rollout([train_dataset[0], train_dataset[1]])
     rewards = trainer.score(rollout)
     inputs = trainer.critic_inputs(rollout)
     assert len(inputs) == 1 and [i.input_ids.shape[0] for i in inputs[0]] == [2, 2]
-    # the joint Q input holds every agent's prompt and response, in the first actor's tokens
+    # the joint V input holds every agent's (second-turn) prompt, in the first actor's tokens
     decoded = trainer.tokenizers[0].decode(inputs[0][1].input_ids[0], skip_special_tokens=True)
-    assert "revise" in decoded and "response" in decoded
+    assert "revise" in decoded and "response" not in decoded
     values = trainer.values(inputs)
     assert values[0].shape == (2, 2)
     estimates = trainer.advantages(rewards, values)
     rewards_matrix = torch.stack([r.reshape(-1) for r in rewards], dim=1)
-    # gae_lambda=0: the target is the TD target r_t + discount * V_{t+1}, the advantage the TD error
     assert torch.allclose(estimates.returns[0], td_targets(rewards_matrix, values[0], 0.5), atol=0, rtol=0)
     assert torch.allclose(estimates.advantages[0], estimates.returns[0] - values[0], atol=1e-7, rtol=0)
     history = trainer.train()
     assert "turn_1/reward_mean" in history[-1] and "return_mean" in history[-1]
 
 
+def test_q_critic_reads_responses_and_uses_the_other_samples_as_baseline(tiny_llama, train_dataset):
+    trainer = MAACTrainer(
+        agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, train_dataset=train_dataset.select(range(4)),
+        reward_func=lambda c0, c1: [float(len(a)) / 10 for a in c0],
+        args=MAACConfig(num_agents=2, num_generations=2, per_device_train_batch_size=2, critic_type="q",
+                        normalize_advantages=False, **FAST),
+    )
+    rollout = trainer.rollout([train_dataset[0], train_dataset[1]])
+    rewards = trainer.score(rollout)
+    inputs = trainer.critic_inputs(rollout)
+    decoded = trainer.tokenizers[0].decode(inputs[0][0].input_ids[0], skip_special_tokens=True)
+    assert "response" in decoded  # the joint Q input holds every agent's prompt and response
+    values = [torch.tensor([[0.5], [1.5], [2.0], [3.0]])]  # Q of each joint sample (two prompts x two)
+    estimates = trainer.advantages(rewards, values)
+    r = rewards[0].reshape(-1)
+    other = torch.tensor([1.5, 0.5, 3.0, 2.0])
+    assert torch.allclose(estimates.advantages[0][:, 0], r - other)
+    assert torch.equal(estimates.returns[0][:, 0], r)
+    history = trainer.train()
+    assert "critic/value_loss" in history[-1]
+
+
 def test_stages_can_be_driven_with_another_reward(tiny_llama, reward_func, train_dataset):
     """What a preference trainer does: run the actor-critic stages on its own (learned) reward."""
     trainer = IACTrainer(agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, reward_func=reward_func,
-                         train_dataset=train_dataset, args=IACConfig(num_agents=2, num_generations=2, **FAST))
+                         train_dataset=train_dataset, args=IACConfig(num_agents=2, num_generations=2,
+                                                                            normalize_advantages=False, **FAST))
     rollout = trainer.rollout([train_dataset[0]])
     rewards = trainer.score(rollout, reward=lambda c0, c1: [2.0] * len(c0))
     assert torch.equal(rewards[0], torch.full((1, 2), 2.0))
@@ -299,7 +322,8 @@ def test_dropped_rewards_get_no_advantage_and_no_critic_target(tiny_llama, train
     trainer = MAACTrainer(
         agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, train_dataset=train_dataset,
         reward_func=lambda c0, c1: [math.nan] + [1.0] * (len(c0) - 1),
-        args=MAACConfig(num_agents=2, num_generations=2, invalid_reward="drop", **FAST),
+        args=MAACConfig(num_agents=2, num_generations=2, invalid_reward="drop", normalize_advantages=False,
+                        **FAST),
     )
     rollout = trainer.rollout([train_dataset[0]])
     rewards = trainer.score(rollout)

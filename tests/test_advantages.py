@@ -12,11 +12,14 @@ def test_group_relative_mean_only():
     assert torch.equal(group_relative_advantages(rewards, normalize=False), torch.tensor([[-2.0, -1.0, 0.0, 3.0]]))
 
 
-def test_group_relative_normalized_by_population_std():
+def test_group_relative_normalized_by_sample_std():
     rewards = torch.tensor([[1.0, 3.0]])
-    # mean 2, std 1 -> [-1, 1]
+    # mean 2, sample std sqrt(((-1)^2 + 1^2) / (2 - 1)) = sqrt(2) -> [-1, 1] / sqrt(2)
     advantages = group_relative_advantages(rewards, normalize=True, eps=1e-8)
-    assert torch.allclose(advantages, torch.tensor([[-1.0, 1.0]]), atol=1e-6)
+    assert torch.allclose(advantages, torch.tensor([[-1.0, 1.0]]) / 2**0.5, atol=1e-6)
+    # the population std (/ n) is 1 -> [-1, 1]
+    population = group_relative_advantages(rewards, normalize=True, eps=1e-8, unbiased=False)
+    assert torch.allclose(population, torch.tensor([[-1.0, 1.0]]), atol=1e-6)
 
 
 def test_constant_group_gives_zero_not_nan():
@@ -73,6 +76,6 @@ def test_dropped_samples_are_left_out_of_the_group():
     rewards = torch.tensor([[1.0, float("nan"), 3.0]])
     advantages = group_relative_advantages(rewards, normalize=False)
     assert advantages.tolist() == [[-1.0, 0.0, 1.0]]
-    normalized = group_relative_advantages(rewards, normalize=True, eps=1e-8)
-    assert torch.allclose(normalized, torch.tensor([[-1.0, 0.0, 1.0]]), atol=1e-6)
+    normalized = group_relative_advantages(rewards, normalize=True, eps=1e-8)  # kept 1 and 3: sample std sqrt(2)
+    assert torch.allclose(normalized, torch.tensor([[-1.0, 0.0, 1.0]]) / 2**0.5, atol=1e-6)
     assert not torch.isnan(group_relative_advantages(torch.full((1, 3), float("nan")))).any()

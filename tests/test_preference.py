@@ -8,9 +8,9 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from comlrl import preferences
+from comlrl.metrics import MetricWindow
+from comlrl.trainers.preference.guard import PolicySnapshot
 from comlrl.reward_model import JointRewardModel, fit_reward_model, preference_accuracy
-from comlrl.tasks.keywords import keywords_reward
-from comlrl.tasks.letters import rows as letter_rows
 from comlrl.trainers import MARLHFConfig as ReexportedConfig
 from comlrl.trainers.preference import MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
 
@@ -174,23 +174,61 @@ def test_output_layout_and_resume_subdirectory(tiny_llama, train_dataset, reward
     assert sorted(p.relative_to(out) for p in out.rglob("*") if "resume-1" not in p.parts) == before
 
 
-def test_policy_task_reward_rises_under_the_learned_reward(tiny_llama):
-    dataset = Dataset.from_list(letter_rows(32))
-    trainer = MARLHFTrainer(
-        agent_model=tiny_llama, num_agents=2, reward_func=keywords_reward, train_dataset=dataset,
-        args=MARLHFConfig(num_agents=2, num_generations=4, preference_num_generations=8, max_pairs_per_prompt=12,
-                          max_new_tokens=12, temperature=1.0, seed=0, agent_learning_rate=3e-3, num_train_epochs=4,
-                          per_device_train_batch_size=2, reward_model_device=None, reward_train_epochs=4,
-                          reward_learning_rate=1e-3, disable_tqdm=True),
-    )
-    trainer.train()
-    fit = next(r for r in trainer.state.stage_records if r["stage"] == "fit_reward_model")
-    assert fit["reward_model/heldout_accuracy"] > 0.8, fit
-    task = [step["monitor/task_reward"] for step in trainer.state.history]
-    learned = [step["reward_mean"] for step in trainer.state.history]
-    first, last = sum(task[:8]) / 8, sum(task[-16:-8]) / 8
-    assert last > first + 0.15, f"task reward under the learned reward: {first:.3f} -> {last:.3f}"
-    assert sum(learned[-16:-8]) > sum(learned[:8])
+def test_heldout_pairs_are_whole_prompts():
+    """Pairs of one prompt share completions: a held-out prompt's pairs are all held out, or none is."""
+    pairs = marker_pairs(12)
+    rows = [i // 3 for i in range(12)]  # four prompts, three pairs each
+    train, heldout = preferences.split_heldout(len(pairs), 0.25, seed=0, groups=rows)
+    assert sorted(train + heldout) == list(range(12)) and len(heldout) == 3
+    assert not {rows[i] for i in train} & {rows[i] for i in heldout}
+    # without groups, the old pair-level split (same seed, same indices as before)
+    assert preferences.split_heldout(12, 0.25, seed=0)[1] == sorted(torch.randperm(12, generator=torch.Generator()
+                                                                                  .manual_seed(0))[:3].tolist())
+
+
+def test_early_stopping_keeps_the_best_heldout_epoch(tiny_llama):
+    torch.manual_seed(0)
+    model = JointRewardModel.load(tiny_llama, torch.device("cpu"), torch.float32)
+    pairs = marker_pairs(48)
+    train, heldout = preferences.split_heldout(len(pairs), 0.25, seed=0)
+    # an absurd learning rate makes later epochs worse: the fit must stop and keep the best epoch
+    result = fit_reward_model(model, pairs, train, heldout, epochs=8, batch_size=8, learning_rate=0.5, seed=0,
+                              patience=2)
+    curve = result.heldout_curve
+    assert result.best_epoch == curve.index(max(curve))
+    assert len(curve) == len(result.losses) <= result.best_epoch + 3  # stopped 2 epochs after the best
+    assert result.heldout_accuracy == preference_accuracy(model, pairs, heldout, 8) == max(curve)
+
+
+def guarded_trainer(tiny_llama, train_dataset, reward_func):
+    trainer = MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
+                            args=MARLHFConfig(num_agents=2, agent_learning_rate=1e-2, **FAST))
+    trainer.run_next_stage()  # collect
+    trainer.run_next_stage()  # fit
+    return trainer
+
+
+@pytest.mark.parametrize("lowered", [True, False], ids=["lowered", "kept"])
+def test_policy_guard_restores_a_stage_that_lowers_the_task_reward(tiny_llama, train_dataset, reward_func, lowered):
+    trainer = guarded_trainer(tiny_llama, train_dataset, reward_func)
+    policy = trainer.policy_trainer
+    before = {k: v.clone() for k, v in policy.agents[0].state_dict().items()}
+    moments = {k: v.clone() for k, v in policy.optimizers[0].state_dict()["state"].get(0, {}).items()}
+    snapshot = PolicySnapshot.take(policy, trainer.guard_score())
+    # the guard's score compares against what the snapshot says the task reward was before the stage
+    snapshot.task_reward = float("inf") if lowered else float("-inf")
+    trainer.guard = snapshot
+    for rows in policy.epoch_rows()[:2]:
+        policy.record_step(policy.train_step(rows), MetricWindow())
+    moved = any(not torch.equal(before[k], v) for k, v in policy.agents[0].state_dict().items())
+    assert moved
+    metrics = trainer.apply_guard()
+    assert metrics["policy/guard_reverted"] == float(lowered) and trainer.guard is None
+    after = policy.agents[0].state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) == lowered
+    if lowered:
+        assert policy.optimizers[0].state_dict()["state"].get(0, {}).keys() == moments.keys()
+        assert policy.state.global_step == 2  # the steps happened; only weights and moments went back
 
 
 def test_bit_exact_resume_across_an_iteration_boundary(tiny_llama, train_dataset, reward_func, tmp_path):

@@ -5,24 +5,32 @@ from __future__ import annotations
 import torch
 
 
-def group_relative_advantages(rewards: torch.Tensor, normalize: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def group_relative_advantages(
+    rewards: torch.Tensor, normalize: bool = True, eps: float = 1e-6, unbiased: bool = True
+) -> torch.Tensor:
     """Group-relative advantages: each reward minus its group's mean, optionally over its std.
 
-    ``rewards`` has shape ``[num_groups, group_size]`` (one row per prompt/node). A group
-    whose rewards are all equal gets zero advantages, never NaN. NaN marks a dropped sample:
-    it is left out of its group's statistics and gets advantage 0.
+    ``rewards`` has shape ``[num_groups, group_size]`` (one row per prompt/node). With ``normalize``
+    the centred rewards are divided by the group's std: the sample std (Bessel-corrected,
+    ``sqrt(sum((r - mean)^2) / (n - 1))`` over the ``n`` kept samples) when ``unbiased`` (the
+    default, as ``torch.std`` and TRL's GRPO compute it), the population std (``/ n``) otherwise.
+    A group whose rewards are all equal, or that keeps fewer than two samples, gets zero
+    advantages, never NaN. NaN marks a dropped sample: it is left out of its group's statistics
+    and gets advantage 0.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
     valid = ~torch.isnan(rewards)
-    count = valid.sum(dim=1, keepdim=True).clamp(min=1)
+    kept = valid.sum(dim=1, keepdim=True)
+    count = kept.clamp(min=1)
     filled = torch.where(valid, rewards, torch.zeros_like(rewards))
     mean = filled.sum(dim=1, keepdim=True) / count
     centered = torch.where(valid, rewards - mean, torch.zeros_like(rewards))
     if not normalize or rewards.shape[1] < 2:
         return centered
-    std = torch.sqrt((centered**2).sum(dim=1, keepdim=True) / count)
-    return torch.where(std > eps, centered / (std + eps), torch.zeros_like(centered))
+    dof = (kept - 1 if unbiased else kept).clamp(min=1)
+    std = torch.sqrt((centered**2).sum(dim=1, keepdim=True) / dof)
+    return torch.where((std > eps) & (kept >= 2), centered / (std + eps), torch.zeros_like(centered))
 
 
 def joint_index(num_agents: int, num_generations: int, mode: str) -> torch.Tensor:
@@ -62,13 +70,57 @@ def tree_returns(rewards_per_turn: list[torch.Tensor], discount: float) -> list[
     ``rewards_per_turn[t]`` is ``[num_nodes_t, num_joint]``; joint sample ``j`` of node ``n``
     at turn ``t`` spawns node ``n * num_joint + j`` at turn ``t + 1``. The return of a joint
     sample is its reward plus ``discount`` times the mean return of its child node's samples.
+
+    NaN marks a dropped sample (``invalid_reward="drop"``). The child mean is taken over the
+    kept children only; a sample whose children were all dropped has an unknown future, so its
+    return is NaN (dropped too) rather than its reward alone, as if the future were worth 0.
     """
     returns = [rewards.clone() for rewards in rewards_per_turn]
     for turn in range(len(returns) - 2, -1, -1):
         nodes, joints = returns[turn].shape
-        child_means = torch.nan_to_num(returns[turn + 1].nanmean(dim=1)).reshape(nodes, joints)
+        child_means = returns[turn + 1].nanmean(dim=1).reshape(nodes, joints)  # NaN when every child was dropped
         returns[turn] = returns[turn] + discount * child_means
     return returns
+
+
+def leave_one_out_mean(values: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """For every entry, the mean of the *other* entries along ``dim`` (same shape as ``values``).
+
+    NaN entries are left out of every mean; an entry with no other kept entry gets NaN.
+    """
+    valid = ~torch.isnan(values)
+    filled = torch.where(valid, values, torch.zeros_like(values))
+    others_total = filled.sum(dim=dim, keepdim=True) - filled
+    others_count = valid.sum(dim=dim, keepdim=True) - valid.long()
+    return torch.where(others_count > 0, others_total / others_count.clamp(min=1),
+                       torch.full_like(values, float("nan")))
+
+
+def q_critic_advantages(targets: torch.Tensor, q_values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Advantages for a Q critic: ``A_i = G_i - mean_{j != i} Q(h, a_j)``.
+
+    ``targets`` (``G``, the critic's targets: the reward for one turn) and ``q_values`` (``Q(h, a)``
+    of each taken action) are ``[num_episodes, num_turns]``; consecutive blocks of ``group_size``
+    episodes were sampled from the same context ``h``. The baseline of sample ``i`` is the mean Q
+    of the *other* samples of its group, so it does not depend on ``a_i`` and the policy gradient
+    stays unbiased whatever the critic's errors; ``G_i - Q(h, a_i)`` would instead shrink to zero
+    as Q fits, whatever the action. (With a perfectly fitted Q = r this is the leave-one-out
+    ``r_i - mean_{j != i} r_j``; the critic lowers the baseline's variance when rewards are noisy.)
+    Dropped samples (NaN target) are left out of the baselines; a NaN result (dropped, or no other
+    kept sample in the group) means "no advantage".
+    """
+    if targets.shape != q_values.shape or targets.dim() != 2:
+        raise ValueError(
+            f"targets and q_values must both be [num_episodes, num_turns], got {tuple(targets.shape)} and "
+            f"{tuple(q_values.shape)}"
+        )
+    num_episodes, num_turns = targets.shape
+    if group_size < 1 or num_episodes % group_size:
+        raise ValueError(f"{num_episodes} episodes do not split into groups of group_size={group_size}")
+    kept_q = torch.where(torch.isnan(targets), torch.full_like(q_values, float("nan")), q_values)
+    grouped = kept_q.reshape(-1, group_size, num_turns)  # [num_groups, group_size, num_turns]
+    baseline = leave_one_out_mean(grouped, dim=1).reshape(num_episodes, num_turns)
+    return targets - baseline
 
 
 def td_targets(rewards: torch.Tensor, values: torch.Tensor, discount: float) -> torch.Tensor:
@@ -100,11 +152,34 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, discount: float, lam: float
     return advantages
 
 
-def normalize(values: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Zero mean, unit (population) std over all entries; fewer than two entries or constant ones give zeros."""
+def moments(values: torch.Tensor) -> torch.Tensor:
+    """``[count, sum, sum of squares]`` of ``values`` in float64: what :func:`normalize` needs, summable
+    over processes (data parallelism standardises over the global batch this way)."""
+    flat = values.double().reshape(-1)
+    return torch.stack([flat.new_tensor(float(flat.numel())), flat.sum(), (flat * flat).sum()])
+
+
+def normalize(values: torch.Tensor, eps: float = 1e-6, unbiased: bool = True,
+              totals: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero mean, unit std over all entries; fewer than two entries or constant ones give zeros.
+
+    The std is the sample std (Bessel-corrected, ``n - 1``) when ``unbiased``, as in
+    :func:`group_relative_advantages`, or the population std (``n``) otherwise. ``totals``
+    (:func:`moments` summed over every process's values) standardises over all of them instead.
+    """
+    if totals is not None:
+        count, total, squares = (float(x) for x in totals)
+        if count < 2:
+            return torch.zeros_like(values)
+        mean = total / count
+        std = max(squares - count * mean * mean, 0.0) / (count - 1 if unbiased else count)
+        std = std ** 0.5
+        if std <= eps:
+            return torch.zeros_like(values)
+        return (values - mean) / (std + eps)
     if values.numel() < 2:
         return torch.zeros_like(values)
-    std = values.std(unbiased=False)
+    std = values.std(unbiased=unbiased)
     if std <= eps:
         return torch.zeros_like(values)
     return (values - values.mean()) / (std + eps)

@@ -406,8 +406,11 @@ class MultiAgentTrainer(TrainingLoop):
         return metrics
 
     def flush_optimizers(self) -> None:
-        """Apply every partial accumulation window (end of an epoch): no gradient is left unapplied."""
-        self.record_steps({name: component.flush() for name, component in self.model_optimizers.items()})
+        """Apply every partial accumulation window (end of an epoch): no gradient is left unapplied; the
+        steps' metrics join the epoch's last history row."""
+        metrics = self.record_steps({name: component.flush() for name, component in self.model_optimizers.items()})
+        if metrics and self.state.history:
+            self.state.history[-1].update(metrics)
 
     def record_nonfinite(self, skipped: int) -> None:
         """Count skipped updates; too many in a row stop the run (see ``max_nonfinite_updates``)."""

@@ -16,8 +16,8 @@ the micro-batches it holds. The schedule is planned over the whole run
 (non-finite) one included, so the LR at each step is where the plan puts it.
 
 State. :meth:`state_dict` holds the optimizer and schedule states, the counters and the
-gradients of a window still pending, so a checkpoint taken between two optimizer steps resumes
-exactly. Under FSDP the optimizer state is gathered to rank 0 (a collective: every rank calls
+gradients of a window still pending (averaged over the processes, as the step would average them),
+so a checkpoint taken between two optimizer steps resumes exactly, in as many processes as it likes. Under FSDP the optimizer state is gathered to rank 0 (a collective: every rank calls
 it); a pending window of sharded gradients cannot be saved and raises an error naming the fix.
 """
 
@@ -173,8 +173,12 @@ class ModelOptimizer:
             optimizer_state = sharding.gather_optimizer_state(self.module, self.optimizer)
         else:
             optimizer_state = self.optimizer.state_dict()
-        grads = {name: p.grad.detach().cpu().clone() for name, p in self._named_parameters().items()
-                 if p.grad is not None} if self.pending else {}
+        grads = {}
+        if self.pending:  # the window's gradient so far: its mean over the processes, as the step will use
+            own = {name: p.grad if p.grad is not None else torch.zeros_like(p)
+                   for name, p in self._named_parameters().items() if p.requires_grad}
+            averaged = self.settings.data_parallel.average_tensors(own) if self.settings.data_parallel.enabled else own
+            grads = {name: grad.detach().cpu().clone() for name, grad in averaged.items()}
         return {
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,

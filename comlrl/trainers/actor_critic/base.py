@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from comlrl import entities, sharding
-from comlrl.algorithms.advantages import gae, normalize
+from comlrl.algorithms.advantages import gae, moments, normalize
 from comlrl.algorithms.losses import value_loss
 from comlrl.episodes import Rollout
 from comlrl.export import save_pretrained_models, save_value_head
@@ -93,26 +93,23 @@ class ActorCriticTrainer(MultiAgentTrainer):
         return {}  # built once the value heads exist (build_actor_critic_optimizers)
 
     def build_actor_critic_optimizers(self) -> dict[str, Any]:
-        """One optimizer-step component per actor and per separate critic (with its head); an actor that
-        carries its own value head trains both in one, the head at the critic's learning rate."""
+        """One optimizer-step component per actor and per separate critic (backbone and head as two parameter
+        groups); an actor that carries its own value head trains both in one."""
         args = self.args
-        if self.critics:
-            components = {f"agent_{i}": self.model_optimizer(f"agent_{i}", agent, agent.parameters(),
-                                                             args.agent_learning_rate, 1)
-                          for i, agent in enumerate(self.agents)}
-            for name, critic in zip(self.critic_names(), self.critics):
-                module = self._with_head(critic)
-                components[name] = self.model_optimizer(name, module, module.parameters(), args.critic_learning_rate,
-                                                        args.critic_update_epochs)
-            return components
-        return {
-            f"agent_{i}": self.model_optimizer(
-                f"agent_{i}", self._with_head(agent),
-                [{"params": list(agent.parameters()), "lr": args.agent_learning_rate},
-                 {"params": list(agent.value_head.parameters()), "lr": args.critic_learning_rate}],
-                args.agent_learning_rate, 1)
-            for i, agent in enumerate(self.agents)
-        }
+        head_rate = args.value_head_learning_rate or args.critic_learning_rate
+        components = {}
+        for i, agent in enumerate(self.agents):
+            groups = [{"params": list(agent.parameters()), "lr": args.agent_learning_rate}]
+            if not self.critics:
+                groups.append({"params": list(agent.value_head.parameters()), "lr": head_rate})
+            module = agent if self.critics else self._with_head(agent)
+            components[f"agent_{i}"] = self.model_optimizer(f"agent_{i}", module, groups, args.agent_learning_rate, 1)
+        for name, critic in zip(self.critic_names(), self.critics):
+            groups = [{"params": list(critic.parameters()), "lr": args.critic_learning_rate},
+                      {"params": list(critic.value_head.parameters()), "lr": head_rate}]
+            components[name] = self.model_optimizer(name, self._with_head(critic), groups, args.critic_learning_rate,
+                                                    args.critic_update_epochs)
+        return components
 
     # ----- what subclasses decide ------------------------------------------------------------
     def resolve_critic_sources(self, critic_model: Any, critics: Any, config: Any, num_agents: int) -> list[Any]:
@@ -198,20 +195,34 @@ class ActorCriticTrainer(MultiAgentTrainer):
         return result
 
     def advantages(self, rewards: list[torch.Tensor], values: list[torch.Tensor]) -> Estimates:
-        """Stage 4: GAE advantages (one-step: ``r - V``) and the critic targets ``A + V`` per value model.
+        """Stage 4: the actors' advantages and the critic targets per value model.
+
+        The critic's target is ``G = A_gae + value`` (GAE over turns; one turn: the reward).
+        V critic (``critic_type="v"``): the advantage is the GAE estimate, one-step ``r - V(h)``.
+        Q critic (``critic_type="q"``): the value ``Q(h, a_i)`` depends on the sampled completion,
+        so it cannot be the baseline of that completion (``r - Q(h, a_i)`` goes to 0 as Q fits);
+        the advantage is ``G_i - mean_{j != i} Q(h, a_j)`` over the other completions sampled for
+        the same prompt (:func:`comlrl.algorithms.advantages.q_critic_advantages`), an
+        action-independent baseline, hence ``num_generations >= 2``.
 
         A dropped (NaN) reward makes its turn's and earlier turns' targets NaN: those samples get
-        advantage 0 and are left out of the critic loss.
+        advantage 0 and are left out of the critic loss (and of the other samples' Q baselines).
         """
+        from comlrl.algorithms.advantages import q_critic_advantages
+
         reward_matrix = episode_matrix(rewards)
         advantages, returns = [], []
         for model_values in values:
             estimate = gae(reward_matrix, model_values, self.args.discount, self.args.gae_lambda)
-            returns.append(estimate + model_values)
+            targets = estimate + model_values
+            returns.append(targets)
+            if self.args.critic_type == "q":
+                estimate = q_critic_advantages(targets, model_values, self.args.num_generations)
             valid = ~torch.isnan(estimate)
             estimate = torch.where(valid, estimate, torch.zeros_like(estimate))
-            if self.args.normalize_advantages:
-                estimate[valid] = normalize(estimate[valid])
+            if self.args.normalize_advantages:  # over the global batch: every process's samples
+                totals = self.data_parallel.all_sum(moments(estimate[valid])) if self.data_parallel.enabled else None
+                estimate[valid] = normalize(estimate[valid], totals=totals)
             advantages.append(estimate)
         return Estimates(advantages=advantages, returns=returns)
 
@@ -253,22 +264,28 @@ class ActorCriticTrainer(MultiAgentTrainer):
     def critic_backward(
         self, model: Any, inputs: list[CriticInput], returns: torch.Tensor, old_values: torch.Tensor, scale: float
     ) -> float:
-        """Backpropagate one critic's (optionally clipped) MSE over every turn; returns the loss."""
+        """Backpropagate one critic's (optionally clipped) MSE over every turn; returns the loss.
+
+        The critic's forward and backward passes run with dropout off, as :meth:`values` (the
+        rollout-time values the clipping refers to) runs in eval mode.
+        """
+        from comlrl.policy import dropout_disabled
+
         total = 0.0
         num_turns = len(inputs)
-        for turn, turn_input in enumerate(inputs):
-            values = sequence_values(model, turn_input.input_ids, turn_input.attention_mask)
-            targets = returns[:, turn].to(values.device)
-            valid = ~torch.isnan(targets)  # dropped rewards
-            if not bool(valid.any()):
-                if sharding.holds_shards(model):  # a zero backward: every rank joins the same reduce-scatters
-                    (values.sum() * 0.0).backward()
-                continue
-            loss = value_loss(
-                values[valid], targets[valid], old_values[:, turn].to(values.device)[valid], self.args.value_clip_range
-            )
-            (loss * self.args.value_loss_coef * scale / num_turns).backward()
-            total += float(loss.detach()) / num_turns
+        with dropout_disabled(model):  # backward too: a checkpointed layer recomputes in the same mode
+            for turn, turn_input in enumerate(inputs):
+                values = sequence_values(model, turn_input.input_ids, turn_input.attention_mask)
+                targets = returns[:, turn].to(values.device)
+                valid = ~torch.isnan(targets)  # dropped rewards
+                if not bool(valid.any()):
+                    if sharding.holds_shards(model):  # a zero backward: every rank joins the same reduce-scatters
+                        (values.sum() * 0.0).backward()
+                    continue
+                loss = value_loss(values[valid], targets[valid], old_values[:, turn].to(values.device)[valid],
+                                  self.args.value_clip_range)
+                (loss * self.args.value_loss_coef * scale / num_turns).backward()
+                total += float(loss.detach()) / num_turns
         return total
 
     @staticmethod

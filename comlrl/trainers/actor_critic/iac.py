@@ -39,7 +39,10 @@ class IACTrainer(ActorCriticTrainer):
         return self.args.value_head_hidden_dim
 
     def critic_inputs(self, rollout: Rollout) -> list[list[CriticInput]]:
-        """Each agent's critic reads that agent's prompt (V) or prompt plus completion (Q), as the actor saw them."""
+        """Each agent's critic reads that agent's prompt (V) or prompt plus completion (Q), as the actor saw them.
+
+        A Q value is never the baseline of its own completion: see ``ActorCriticTrainer.advantages``.
+        """
         inputs = []
         for agent in range(self.num_agents):
             agent_inputs = []

@@ -2,7 +2,8 @@
 
 The critic reads the joint input of all agents (every prompt, plus every completion for a
 Q critic), encoded with the first actor's tokenizer; its value is the baseline of every
-agent's advantage.
+agent's advantage (a Q critic's: the mean Q of the prompt's other joint samples, see
+``ActorCriticTrainer.advantages``).
 """
 
 from __future__ import annotations

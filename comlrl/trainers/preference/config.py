@@ -35,6 +35,9 @@ class MARLHFConfig(MAGRPOConfig):
     reward_batch_size: int = option(8, "Preference pairs per reward-model step.", min=1)
     reward_max_length: int | None = option(None, "Truncate reward-model inputs to N tokens (None = no truncation).",
                                            min=1, kind=int, optional=True)
+    reward_early_stopping_patience: int | None = option(
+        2, "Judge the reward-model fit on held-out accuracy after every epoch: stop after N epochs without improvement "
+        "and keep the best epoch's weights (None = train every epoch, keep the last).", min=1, kind=int, optional=True)
     reward_heldout_fraction: float = option(0.2, "Share of pairs held out to measure preference accuracy.", min=0.0, max=0.9)
     num_preference_prompts: int | None = option(
         None, "Prompts sampled for preference collection per iteration (None = every train row).", min=1, kind=int, optional=True)
@@ -43,6 +46,11 @@ class MARLHFConfig(MAGRPOConfig):
     preference_tie_margin: float = option(0.0, "Pairs whose task rewards differ by no more than this are dropped.", min=0.0)
     max_pairs_per_prompt: int | None = option(None, "Keep at most N pairs per prompt, widest reward margin first.",
                                               min=1, kind=int, optional=True)
+    policy_guard: bool = option(
+        True, "Score the task reward on the eval rows (else the first train rows) before and after each policy stage; "
+        "if the stage lowered it by more than policy_guard_tolerance, restore the trainable weights and optimizer "
+        "moments from before the stage.")
+    policy_guard_tolerance: float = option(0.0, "How far the guard lets the task reward fall in a policy stage.", min=0.0)
     output_dir: str | None = option(None, "Where pairs, reward models and history are written (None = in memory only).",
                                     kind=str, optional=True)
     num_iterations: int = option(1, "MARLHFIterTrainer: rounds of collect -> fit -> policy (counts the whole run).", min=1)

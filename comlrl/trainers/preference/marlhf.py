@@ -43,6 +43,7 @@ from comlrl.rewards import JointReward
 from comlrl.seeding import capture_rng_state, restore_rng_state
 from comlrl.signals import StopRequest
 from comlrl.trainers.preference.config import MARLHFConfig
+from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows
 from comlrl.trainers.preference.policy import critic_arguments, policy_classes, policy_config
 from comlrl.trainers.preference.stage import PreferenceStage
 from comlrl.training.loop import TrainerState, TrainingLoop
@@ -119,6 +120,7 @@ class MARLHFTrainer(TrainingLoop):
         self.state = PbRLState(history=policy.state.history)
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
         self.output_path: Path | None = Path(self.args.output_dir) if self.args.output_dir else None
+        self.guard: PolicySnapshot | None = None  # set while a guarded policy stage is in progress
 
     # ----- construction -----------------------------------------------------------------------
     def _reward_model_source(self, first_actor: str | None) -> str:
@@ -196,10 +198,13 @@ class MARLHFTrainer(TrainingLoop):
         return self.preference.fit(self.state.iteration, self._iteration_output())
 
     def learn_policy(self) -> dict[str, float]:
-        """Stage 3: the policy trainer's epochs of this iteration on the learned reward (resumes mid-stage)."""
+        """Stage 3: the policy trainer's epochs of this iteration on the learned reward (resumes mid-stage),
+        under the policy guard (comlrl/trainers/preference/guard.py)."""
         policy = self.policy_trainer
+        if self.args.policy_guard and self.guard is None:
+            self.guard = PolicySnapshot.take(policy, self.guard_score())
         window = MetricWindow()
-        policy.history_tags = {"iteration": self.state.iteration}
+        policy.history_tags = {"iteration": self.state.iteration, **self.reward_model_quality()}
         start = len(policy.state.history)
         target = (self.state.iteration + 1) * self.args.num_train_epochs
         while policy.state.epoch < target:
@@ -210,11 +215,38 @@ class MARLHFTrainer(TrainingLoop):
         for step in steps:
             summary.add({k: v for k, v in step.items() if k in ("reward_mean", "monitor/task_reward")})
         means = summary.flush()
-        return {
+        metrics = {
             "policy/learned_reward_mean": means.get("reward_mean", float("nan")),
             "policy/task_reward_mean": means.get("monitor/task_reward", float("nan")),
             "policy/steps": float(len(policy.state.history) - start),
         }
+        if self.guard is not None:
+            metrics.update(self.apply_guard())
+        return metrics
+
+    def guard_score(self) -> float:
+        """The task reward of the policy on the guard's rows (fixed seed, forked RNG: training is unaffected)."""
+        scored = self.policy_trainer.evaluate(guard_rows(self.policy_trainer), reward=self.task_reward)
+        return scored["eval/reward_mean"]
+
+    def apply_guard(self) -> dict[str, float]:
+        """Keep the stage if the task reward did not fall beyond the tolerance; else restore the snapshot."""
+        before, after = self.guard.task_reward, self.guard_score()
+        reverted = after < before - self.args.policy_guard_tolerance
+        if reverted:
+            logger.warning("iteration %d: the policy stage lowered the task reward %.4f -> %.4f; its weights are "
+                           "restored (policy_guard)", self.state.iteration, before, after)
+            self.guard.restore(self.policy_trainer)
+        self.guard = None
+        return {"policy/guard_task_reward_before": before, "policy/guard_task_reward_after": after,
+                "policy/guard_reverted": float(reverted)}
+
+    def reward_model_quality(self) -> dict[str, float]:
+        """The fitted reward model's held-out accuracy, carried by every policy step it rewards."""
+        fits = [r for r in self.state.stage_records
+                if r["stage"] == "fit_reward_model" and r["iteration"] == self.state.iteration]
+        accuracy = fits[-1].get("reward_model/heldout_accuracy") if fits else None
+        return {"reward_model/heldout_accuracy": accuracy} if accuracy is not None else {}
 
     # ----- the stage loop -----------------------------------------------------------------------
     def begin_training(self, **checkpoint_options: Any) -> Any:
@@ -294,6 +326,7 @@ class MARLHFTrainer(TrainingLoop):
             "preference": self.preference.state_dict(),
             "policy": policy,
             "task_reward": self.task_reward.state_dict(),
+            "guard": self.guard.state_dict() if self.guard is not None else None,
             "rng": capture_rng_state(),
         }
 
@@ -303,6 +336,7 @@ class MARLHFTrainer(TrainingLoop):
         self.state = PbRLState(**state["progress"])
         self.policy_trainer.state.history = self.state.history
         self.task_reward.load_state_dict(state["task_reward"])
+        self.guard = PolicySnapshot.from_state_dict(state["guard"])
         restore_rng_state(state["rng"])  # last: loading the reward model draws a head
 
     def compat_settings(self) -> dict[str, Any]:

@@ -111,10 +111,12 @@ class PreferenceStage:
                 f"preference_tie_margin={self.args.preference_tie_margin}); raise num_generations or temperature"
             )
         self.reward_model = self.load_reward_model()
-        train, heldout = preferences.split_heldout(len(pairs), self.args.reward_heldout_fraction, self.args.seed)
+        train, heldout = preferences.split_heldout(len(pairs), self.args.reward_heldout_fraction, self.args.seed,
+                                                   groups=list(pairs["row_index"]))
         result = fit_reward_model(
             self.reward_model, pairs, train, heldout, self.args.reward_train_epochs, self.args.reward_batch_size,
             self.args.reward_learning_rate, self.args.seed + iteration, self.args.reward_freeze_backbone,
+            self.args.reward_early_stopping_patience,
         )
         self.data_parallel.broadcast_parameters([self.reward_model])  # exactly rank 0's fit everywhere
         if output_dir is not None and self.data_parallel.is_main:
