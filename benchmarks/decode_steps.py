@@ -7,7 +7,7 @@ Variants, every one drawing the same tokens (an EOS the model never meets keeps 
 - ``loop, no_grad, padding mask``: our decode loop under ``no_grad``, prompts given one
   masked padding column so every step builds the attention mask;
 - ``loop, no_grad``: the same loop without padding (no mask is passed);
-- ``loop, inference_mode``: what ``comlrl.sampling.decode`` runs.
+- ``loop, inference_mode``: what ``comlrl.rollout.sampling.decode`` runs.
 
 CPU time (``time.process_time``) is reported beside wall time: with one torch thread it is the
 work done, whatever else the machine is running.
@@ -28,8 +28,8 @@ from workload import LETTERS  # noqa: F401  (imported first: sets the offline en
 def variants(model, tokenizer, prompt: str, rows: int, max_new_tokens: int) -> dict[str, Callable[[], object]]:
     import torch
 
-    from comlrl.rollout import _generation_config, encode_prompts
-    from comlrl.sampling import SamplingParams, _decode_loop, decode
+    from comlrl.rollout.generation import _generation_config, encode_prompts
+    from comlrl.rollout.sampling import SamplingParams, _decode_loop, decode
 
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
     ids, mask = encode_prompts(tokenizer, [prompt], torch.device("cpu"))

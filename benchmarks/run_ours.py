@@ -10,7 +10,7 @@ from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, r
 def build_trainer(workload: Workload, timer: PhaseTimer, generation_backend: str = "comlrl"):
     from datasets import Dataset
 
-    import comlrl.policy
+    import comlrl.training.policy_update
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
     config = MAGRPOConfig(
@@ -31,8 +31,8 @@ def build_trainer(workload: Workload, timer: PhaseTimer, generation_backend: str
         generation_backend=generation_backend,
     )
     # The log-prob forward passes of the update, timed where every trainer calls them.
-    original = getattr(comlrl.policy.completion_logprobs, "__wrapped__", comlrl.policy.completion_logprobs)
-    comlrl.policy.completion_logprobs = timer.wrap("forward", original)
+    original = getattr(comlrl.training.policy_update.completion_logprobs, "__wrapped__", comlrl.training.policy_update.completion_logprobs)
+    comlrl.training.policy_update.completion_logprobs = timer.wrap("forward", original)
     return MAGRPOTrainer(
         agent_model=workload.model_dir,
         num_agents=workload.num_agents,

@@ -69,7 +69,7 @@ def patched(replacements: list[tuple[Any, str, Callable]]) -> Iterator[None]:
 
 
 def run(workload: Workload) -> RunResult:
-    import comlrl.policy
+    import comlrl.training.policy_update
     import comlrl.trainers.actor_critic.base as actor_critic_base
 
     workload.setup_torch()
@@ -80,7 +80,7 @@ def run(workload: Workload) -> RunResult:
     clock = StepClock(result, timer)
     # The update's forward passes (each actor's log-probs, the critic's values), timed as "forward".
     forwards = [(module, name, timer.wrap_inside("update", "forward", getattr(module, name)))
-                for module, name in ((comlrl.policy, "completion_logprobs"), (actor_critic_base, "sequence_values"))]
+                for module, name in ((comlrl.training.policy_update, "completion_logprobs"), (actor_critic_base, "sequence_values"))]
     with patched(forwards):
         trainer.rollout = timer.wrap("generation", counted_rollout(trainer.rollout, clock))
         trainer.score = timer.wrap("reward", trainer.score)

@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.futures import wait
 
-from comlrl.placement import private_tokenizers
+from comlrl.parallel.placement import private_tokenizers
 from flows.spec import ExecutionSpec
 
 
@@ -66,11 +66,11 @@ def agent_work(key: str, agent: int, label: str, owner: str) -> Any:
 
 
 def run_agents_as_tasks(function: Callable[[int], Any], devices: Sequence[torch.device]) -> list[Any]:
-    """An :data:`comlrl.placement.AgentMap`: one ``agent_work`` task run per agent on the current flow
+    """An :data:`comlrl.parallel.placement.AgentMap`: one ``agent_work`` task run per agent on the current flow
     run's task runner, all awaited, results in agent order."""
     if FlowRunContext.get() is None:
         raise RuntimeError("run_agents_as_tasks submits agent_work tasks to the current flow run, and there is none; "
-                           "outside a flow use comlrl.placement.map_by_device (the trainers' default agent_map)")
+                           "outside a flow use comlrl.parallel.placement.map_by_device (the trainers' default agent_map)")
     parent = TaskRunContext.get()
     label = parent.task_run.name if parent is not None else "flow"
 

@@ -112,7 +112,7 @@ class ExecutionSpec(Strict):
     part of the spec hash: a run may be resumed under another task runner."""
 
     task_runner: Literal["default", "dask"] = Field(
-        "default", description="'default': agents' work runs inside the stage tasks (comlrl.placement.map_by_device); "
+        "default", description="'default': agents' work runs inside the stage tasks (comlrl.parallel.placement.map_by_device); "
                                "'dask': one agent_work task per agent on a prefect-dask DaskTaskRunner.")
     dask_address: str | None = Field(
         None, description="A running Dask scheduler (tcp://host:8786) whose workers are threads of the flow's process; "

@@ -15,7 +15,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from comlrl import tracking
-from comlrl.metrics import MetricWindow
+from comlrl.training.metrics import MetricWindow
 from comlrl.trainers.base import Stage
 from comlrl.utils import read_checkpoint_metadata
 from flows import build, spec as specs
@@ -120,7 +120,7 @@ def log_artifact(identity: dict[str, Any], path: str, artifact_path: str | None 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
 def save_preference_pairs(trainer: Any, path: str) -> str | None:
-    from comlrl import preferences
+    from comlrl.rollout import preferences
 
     pairs = getattr(trainer, "preference_pairs", None)
     if pairs is None or len(pairs) == 0:

@@ -21,7 +21,7 @@ from prefect.transactions import transaction
 from prefect.utilities.annotations import quote
 
 from comlrl import tracking
-from comlrl.metrics import MetricWindow
+from comlrl.training.metrics import MetricWindow
 from flows import agents, tasks
 from flows.runs import RunPaths, default_tracking_uri, prepare_run
 from flows.spec import RunSpec, algorithm_of, spec_hash

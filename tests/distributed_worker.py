@@ -31,10 +31,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from comlrl import sharding  # noqa: E402
-from comlrl.episodes import Rollout, Turn  # noqa: E402
-from comlrl.rollout import Generation, generate_completions  # noqa: E402
-from comlrl.sampling import SamplingParams  # noqa: E402
+from comlrl.parallel import sharding  # noqa: E402
+from comlrl.rollout.episodes import Rollout, Turn  # noqa: E402
+from comlrl.rollout.generation import Generation, generate_completions  # noqa: E402
+from comlrl.rollout.sampling import SamplingParams  # noqa: E402
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer  # noqa: E402
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 

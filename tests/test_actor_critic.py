@@ -9,13 +9,13 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from comlrl.algorithms.advantages import td_targets
-from comlrl.policy import policy_gradient_backward
-from comlrl.rollout import SamplingParams, generate_completions
+from comlrl.training.policy_update import policy_gradient_backward
+from comlrl.rollout.generation import SamplingParams, generate_completions
 from comlrl.tasks.letters import letters_reward, rows
 from comlrl.trainers import IACConfig as ReexportedIAC
 from comlrl.trainers import MAACTrainer as ReexportedMAAC
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
-from comlrl.value_heads import sequence_values
+from comlrl.models.value_heads import sequence_values
 
 FAST = dict(max_new_tokens=8, disable_tqdm=True)
 
@@ -344,7 +344,7 @@ def test_entropy_bonus_raises_entropy(tiny_llama):
 
     def entropy():
         from comlrl.algorithms.losses import masked_sequence_mean, token_entropy
-        from comlrl.logprobs import completion_logits
+        from comlrl.training.logprobs import completion_logits
 
         with torch.no_grad():
             logits = completion_logits(model, generation.prompt_ids, generation.prompt_mask, generation.completion_ids,

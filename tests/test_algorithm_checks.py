@@ -128,7 +128,7 @@ def dropout_gpt2(p: float = 0.5):
 
 
 def hand_generation(vocab: int = 96):
-    from comlrl.rollout import Generation
+    from comlrl.rollout.generation import Generation
 
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(4, vocab, (2, 5), generator=generator)
@@ -137,7 +137,7 @@ def hand_generation(vocab: int = 96):
 
 
 def test_behaviour_logprobs_are_deterministic_under_dropout_and_restore_the_mode():
-    from comlrl.policy import behaviour_logprobs
+    from comlrl.training.policy_update import behaviour_logprobs
 
     model, generation = dropout_gpt2(), hand_generation()
     model.train()
@@ -153,7 +153,7 @@ def test_behaviour_logprobs_are_deterministic_under_dropout_and_restore_the_mode
 
 def test_update_forward_runs_without_dropout():
     """With old log-probs from before the update the first pass has ratio exactly 1, so the loss is -mean(A)."""
-    from comlrl.policy import behaviour_logprobs, policy_gradient_backward
+    from comlrl.training.policy_update import behaviour_logprobs, policy_gradient_backward
 
     model, generation = dropout_gpt2(), hand_generation()
     model.train()
@@ -171,8 +171,8 @@ def test_update_forward_runs_without_dropout():
 
 def test_dropout_disabled_keeps_gradient_checkpointing():
     """Transformers checkpoints only layers in training mode: those stay in it, everything else goes to eval."""
-    from comlrl.memory import enable_gradient_checkpointing
-    from comlrl.policy import dropout_disabled
+    from comlrl.parallel.memory import enable_gradient_checkpointing
+    from comlrl.training.policy_update import dropout_disabled
 
     model, generation = dropout_gpt2(), hand_generation()
     enable_gradient_checkpointing([model])
@@ -194,7 +194,7 @@ def test_dropout_disabled_keeps_gradient_checkpointing():
 def test_critic_loss_runs_without_dropout():
     """The value loss compares the critic with the eval-mode values of rollout time, and is deterministic."""
     from comlrl.trainers.actor_critic.critics import CriticInput
-    from comlrl.value_heads import attach_value_head, sequence_values
+    from comlrl.models.value_heads import attach_value_head, sequence_values
 
     model, generation = dropout_gpt2(), hand_generation()
     torch.manual_seed(1)

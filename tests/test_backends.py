@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from comlrl.logprobs import completion_logits, completion_logprobs, position_ids_from_mask, token_logprobs
-from comlrl.rollout import _generation_config, encode_prompts, generate_completions
-from comlrl.sampling import SamplingParams
+from comlrl.training.logprobs import completion_logits, completion_logprobs, position_ids_from_mask, token_logprobs
+from comlrl.rollout.generation import _generation_config, encode_prompts, generate_completions
+from comlrl.rollout.sampling import SamplingParams
 from comlrl.tiny import save_tiny_model
 
 PROMPTS = ["the agent", "write a long story about the moon and the sun"]
@@ -84,7 +84,7 @@ def test_update_logprobs_are_those_generate_samples_from(opinionated_model):
 
 
 def test_lora_actors_compute_only_the_completion_logits(tiny_llama):
-    from comlrl.lora import add_adapters
+    from comlrl.models.lora import add_adapters
 
     model, tokenizer = load(tiny_llama)
     model = add_adapters(model, rank=4, alpha=8.0, dropout=0.0, target_modules=None)

@@ -11,7 +11,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
-import comlrl.policy  # noqa: E402
+import comlrl.training.policy_update  # noqa: E402
 import comlrl.trainers.actor_critic.base as actor_critic_base  # noqa: E402
 import report  # noqa: E402
 import run_ours_maac  # noqa: E402
@@ -20,7 +20,7 @@ from workload import Workload  # noqa: E402
 
 @pytest.fixture(scope="module")
 def patched_before() -> tuple:
-    return comlrl.policy.completion_logprobs, actor_critic_base.sequence_values
+    return comlrl.training.policy_update.completion_logprobs, actor_critic_base.sequence_values
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_maac_runner_times_every_phase(one_step):
 
 
 def test_maac_runner_restores_the_wrapped_functions(one_step, patched_before):
-    assert (comlrl.policy.completion_logprobs, actor_critic_base.sequence_values) == patched_before
+    assert (comlrl.training.policy_update.completion_logprobs, actor_critic_base.sequence_values) == patched_before
 
 
 def test_maac_record_fits_the_report(one_step):

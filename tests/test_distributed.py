@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from comlrl.distributed import DataParallel, check_launch
+from comlrl.parallel.distributed import DataParallel, check_launch
 from distributed_worker import build
 
 ROOT = Path(__file__).resolve().parents[1]

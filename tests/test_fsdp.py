@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from comlrl.distributed import check_launch
-from comlrl.rollout import generate_completions
-from comlrl.sampling import SamplingParams
-from comlrl.sharding import FSDPSettings, check_shardable
+from comlrl.parallel.distributed import check_launch
+from comlrl.rollout.generation import generate_completions
+from comlrl.rollout.sampling import SamplingParams
+from comlrl.parallel.sharding import FSDPSettings, check_shardable
 from comlrl.trainers.preference import MARLHFTrainer
 from distributed_worker import build, build_actor_critic, uneven_lengths
 from test_distributed import assert_weights_close, checkpoint_weights, equal_length_prompts, launch_worker

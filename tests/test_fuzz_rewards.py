@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from comlrl.rewards import JointReward
+from comlrl.rollout.rewards import JointReward
 
 values = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**400, 10**400), st.booleans(), st.none(),

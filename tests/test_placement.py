@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from comlrl.memory import is_checkpointing
-from comlrl.placement import map_by_device, private_tokenizers, resolve_placement, runs_concurrently, spread_by_size
-from comlrl.policy import policy_gradient_backward
+from comlrl.parallel.memory import is_checkpointing
+from comlrl.parallel.placement import map_by_device, private_tokenizers, resolve_placement, runs_concurrently, spread_by_size
+from comlrl.training.policy_update import policy_gradient_backward
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 

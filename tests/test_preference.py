@@ -7,10 +7,10 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
-from comlrl import preferences
-from comlrl.metrics import MetricWindow
+from comlrl.rollout import preferences
+from comlrl.training.metrics import MetricWindow
 from comlrl.trainers.preference.guard import PolicySnapshot
-from comlrl.reward_model import JointRewardModel, fit_reward_model, preference_accuracy
+from comlrl.models.reward_model import JointRewardModel, fit_reward_model, preference_accuracy
 from comlrl.trainers import MARLHFConfig as ReexportedConfig
 from comlrl.trainers.preference import MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
 
@@ -284,3 +284,11 @@ def test_critic_arguments_are_refused_for_magrpo(tiny_llama, train_dataset, rewa
     with pytest.raises(ValueError, match=r"policy_overrides has fields \['critic_type'\] that MAGRPOConfig does not define"):
         MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
                       args=MARLHFConfig(num_agents=2, policy_overrides={"critic_type": "q"}, **FAST))
+
+
+def test_collection_follows_the_rollout_settings(tiny_llama, train_dataset, reward_func):
+    """Preference collection samples through the policy's RolloutSpec: prompt_overflow='error' holds there too."""
+    trainer = MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
+                            args=MARLHFConfig(num_agents=2, max_prompt_length=2, prompt_overflow="error", **FAST))
+    with pytest.raises(ValueError, match="prompt 0 has .* tokens but only 2 fit"):
+        trainer.run_next_stage()

@@ -5,8 +5,8 @@ import logging
 import pytest
 import torch
 
-from comlrl import preferences
-from comlrl.reward_model import (
+from comlrl.rollout import preferences
+from comlrl.models.reward_model import (
     JointRewardModel,
     fair_shares,
     fit_reward_model,
@@ -107,7 +107,7 @@ def test_identical_pairs_warned_and_counted(model_dir, caplog):
          "rejected": ["one", "the dog"], "chosen_reward": 1.0, "rejected_reward": 0.0},
     ]
     pairs = preferences.pairs_dataset(records)
-    with caplog.at_level(logging.WARNING, logger="comlrl.reward_model"):
+    with caplog.at_level(logging.WARNING, logger="comlrl.models.reward_model"):
         result = fit_reward_model(model, pairs, [0, 1], [], epochs=1, batch_size=2, learning_rate=1e-3, seed=0)
     assert result.identical_pairs == 1
     assert result.metrics()["reward_model/identical_pairs"] == 1.0

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from comlrl.rewards import JointReward
+from comlrl.rollout.rewards import JointReward
 
 
 def test_positional_completions_and_batch_items():

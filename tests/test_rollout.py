@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from comlrl.logprobs import completion_logprobs
-from comlrl.rollout import SamplingParams, completion_mask, encode_prompts, generate_completions
+from comlrl.training.logprobs import completion_logprobs
+from comlrl.rollout.generation import SamplingParams, completion_mask, encode_prompts, generate_completions
 
 PROMPTS = ["the agent", "write a long story about the moon and the sun"]
 

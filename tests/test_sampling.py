@@ -7,9 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from comlrl.episodes import RolloutSpec, rollout_episodes
-from comlrl.rollout import encode_prompts, generate_completions
-from comlrl.sampling import SamplingParams, decode, prompt_positions, top_k_filter, top_p_filter, warp_logits
+from comlrl.rollout.episodes import RolloutSpec, rollout_episodes
+from comlrl.rollout.generation import encode_prompts, generate_completions
+from comlrl.rollout.sampling import SamplingParams, decode, prompt_positions, top_k_filter, top_p_filter, warp_logits
 
 PROMPTS = ["the agent", "write a long story about the moon and the sun"]
 

@@ -47,7 +47,7 @@ WORDS = ["cat", "dog", "sun", "moon"]
 
 # ----- snapshots --------------------------------------------------------------------------------
 def _owned_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A module's parameters and buffers, plus those of an unregistered ``value_head`` (comlrl.value_heads)."""
+    """A module's parameters and buffers, plus those of an unregistered ``value_head`` (comlrl.models.value_heads)."""
     tensors = dict(module.state_dict(keep_vars=True))
     head = module.__dict__.get("value_head")
     if isinstance(head, torch.nn.Module):

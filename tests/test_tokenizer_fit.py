@@ -14,8 +14,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from comlrl.entities import check_ids_in_range, check_tokenizer_fits, used_special_tokens
-from comlrl.rollout import SamplingParams, encode_prompts, generate_completions
+from comlrl.models.entities import check_ids_in_range, check_tokenizer_fits, used_special_tokens
+from comlrl.rollout.generation import SamplingParams, encode_prompts, generate_completions
 from comlrl.tiny import save_tiny_model
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
@@ -50,7 +50,7 @@ def reloaded(directory):
 
 
 def fit_warnings(caplog):
-    return [r.getMessage() for r in caplog.records if r.name == "comlrl.entities" and "beyond the" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records if r.name == "comlrl.models.entities" and "beyond the" in r.getMessage()]
 
 
 def test_the_reload_really_outgrows_the_embeddings(qwen2_reloaded):
@@ -63,7 +63,7 @@ def test_the_reload_really_outgrows_the_embeddings(qwen2_reloaded):
 
 
 def test_magrpo_trains_and_warns_about_the_unused_token(qwen2_reloaded, two_prompts, caplog):
-    caplog.set_level(logging.WARNING, logger="comlrl.entities")
+    caplog.set_level(logging.WARNING, logger="comlrl.models.entities")
     trainer = MAGRPOTrainer(agent_model=qwen2_reloaded, num_agents=2, reward_func=reward, train_dataset=two_prompts,
                             args=MAGRPOConfig(**TINY))
     warnings = fit_warnings(caplog)
@@ -77,7 +77,7 @@ def test_magrpo_trains_and_warns_about_the_unused_token(qwen2_reloaded, two_prom
 
 
 def test_own_tokenizer_that_fits_logs_nothing(tiny_llama, caplog):
-    caplog.set_level(logging.WARNING, logger="comlrl.entities")
+    caplog.set_level(logging.WARNING, logger="comlrl.models.entities")
     check_tokenizer_fits(AutoModelForCausalLM.from_pretrained(tiny_llama), reloaded(tiny_llama), "agent_0")
     assert fit_warnings(caplog) == []
 

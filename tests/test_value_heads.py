@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from comlrl.value_heads import ValueHead, attach_value_head, distinct_sequence_values, last_token_index, sequence_values
+from comlrl.models.value_heads import ValueHead, attach_value_head, distinct_sequence_values, last_token_index, sequence_values
 
 TEXTS = ["the cat", "a long story about the river and the hill", "sun"]
 

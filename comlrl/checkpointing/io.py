@@ -15,7 +15,7 @@ complete, so a crash mid-save leaves every earlier checkpoint intact. Every ``.p
 holds tensors and plain values only and is read with ``torch.load(..., weights_only=True)``.
 
 Weights and optimizer states are always full (unsharded): sharded (FSDP) models arrive here
-gathered by :func:`comlrl.sharding.gather_checkpoint` and load through :mod:`comlrl.sharding`,
+gathered by :func:`comlrl.parallel.sharding.gather_checkpoint` and load through :mod:`comlrl.parallel.sharding`,
 so a checkpoint does not depend on how many processes wrote or read it.
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from comlrl import sharding
+from comlrl.parallel import sharding
 
 CHECKPOINT_PREFIX = "checkpoint-"
 COMPLETE_MARKER = "COMPLETE"

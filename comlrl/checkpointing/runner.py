@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 
 import comlrl
-from comlrl import sharding
+from comlrl.parallel import sharding
 from comlrl.checkpointing import io
 
 FORMAT_VERSION = 2
@@ -153,7 +153,7 @@ class CheckpointRunner:
                 parallel.barrier()
 
     def _write(self, name: str, modules: dict[str, Any], state: dict[str, Any]) -> Path:
-        """Write ``modules`` (as :func:`comlrl.sharding.gather_weights` returns them), ``state`` and the metadata."""
+        """Write ``modules`` (as :func:`comlrl.parallel.sharding.gather_weights` returns them), ``state`` and the metadata."""
         trainer = self.trainer
         history = state["progress"].pop("history")
         metadata = {

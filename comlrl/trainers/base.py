@@ -18,21 +18,22 @@ from typing import Any, Callable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from comlrl import entities
+from comlrl.models import entities
 from comlrl.algorithms.advantages import tree_returns
 from comlrl.callbacks import TrainerCallback, dispatch
 from comlrl.data import batches, check_dataset, epoch_order, format_prompt, resolve_formatters
-from comlrl import distributed, lora, sharding
-from comlrl.memory import device_memory_metrics, enable_gradient_checkpointing, resolve_precision
-from comlrl.placement import (AgentMap, devices_of, local_gpus, map_by_device, private_tokenizers, resolve_placement,
+from comlrl.parallel import distributed, sharding
+from comlrl.models import lora
+from comlrl.parallel.memory import device_memory_metrics, enable_gradient_checkpointing, resolve_precision
+from comlrl.parallel.placement import (AgentMap, devices_of, local_gpus, map_by_device, private_tokenizers, resolve_placement,
                               runs_concurrently)
 from comlrl.errors import NonFiniteTrainingError, TrainingInterrupted
-from comlrl.export import save_pretrained_models
-from comlrl.metrics import MetricWindow
-from comlrl.rewards import JointReward
-from comlrl.episodes import Rollout, RolloutSpec, rollout_episodes, score_rollout
-from comlrl.rollout import context_length
-from comlrl.seeding import capture_rng_state, restore_rng_state, set_seed
+from comlrl.models.export import save_pretrained_models
+from comlrl.training.metrics import MetricWindow
+from comlrl.rollout.rewards import JointReward
+from comlrl.rollout.episodes import Rollout, RolloutSpec, rollout_episodes, score_rollout
+from comlrl.rollout.generation import context_length
+from comlrl.training.seeding import capture_rng_state, restore_rng_state, set_seed
 from comlrl.trainers.config import RolloutConfig
 from comlrl.training.loop import TrainerState, TrainingLoop
 from comlrl.training.optimizer_step import (ModelOptimizer, OptimizerSettings, StepResult,
@@ -146,7 +147,7 @@ class MultiAgentTrainer(TrainingLoop):
         concurrent = runs_concurrently(self.agent_devices)
         self.tokenizers = private_tokenizers(loaded.tokenizers) if concurrent else loaded.tokenizers
         self.agent_sources = loaded.sources
-        # Per-agent generation and backward passes go through this (see comlrl.placement.AgentMap).
+        # Per-agent generation and backward passes go through this (see comlrl.parallel.placement.AgentMap).
         self.agent_map: AgentMap = map_by_device
         self.optimizer_settings = OptimizerSettings(
             weight_decay=self.args.weight_decay, lr_scheduler_type=self.args.lr_scheduler_type,
@@ -173,7 +174,7 @@ class MultiAgentTrainer(TrainingLoop):
                 )
 
     def resolve_devices(self, requested: Any, sources: list[Any], field_name: str) -> list[torch.device]:
-        """Checked devices for ``sources`` from a placement field (see :mod:`comlrl.placement`)."""
+        """Checked devices for ``sources`` from a placement field (see :mod:`comlrl.parallel.placement`)."""
         gpus = local_gpus(self.data_parallel.local_rank, self.data_parallel.local_world_size)
         where = f"{type(self.args).__name__}.{field_name}"
         return resolve_placement(requested, sources, where, gpus, self.args.trust_remote_code)

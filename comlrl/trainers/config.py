@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from comlrl.config import ConfigBase, option
-from comlrl.placement import check_placement_format
-from comlrl.sampling import BACKENDS
+from comlrl.parallel.placement import check_placement_format
+from comlrl.rollout.sampling import BACKENDS
 
 
 @dataclass
@@ -21,7 +21,7 @@ class RolloutConfig(ConfigBase):
     top_k: int | None = option(None, "Top-k sampling cut-off (None = off).", min=1, kind=int, optional=True)
     max_new_tokens: int = option(32, "Maximum tokens generated per completion.", min=1)
     generation_backend: str = option(
-        "comlrl", "How completions are decoded: 'comlrl' (comlrl.sampling.decode: the sampling loop of generate without "
+        "comlrl", "How completions are decoded: 'comlrl' (comlrl.rollout.sampling.decode: the sampling loop of generate without "
         "its per-token machinery, same tokens for the same RNG state) or 'transformers' (model.generate, for models "
         "with a generate of their own).", choices=BACKENDS)
     max_prompt_length: int | None = option(

@@ -15,8 +15,8 @@ from typing import Any
 
 from comlrl.callbacks import dispatch
 from comlrl.errors import TrainingStopped
-from comlrl.seeding import set_seed
-from comlrl.signals import StopRequest, stop_on_signals
+from comlrl.training.seeding import set_seed
+from comlrl.training.signals import StopRequest, stop_on_signals
 
 logger = logging.getLogger(__name__)
 

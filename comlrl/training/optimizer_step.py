@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from comlrl import sharding
+from comlrl.parallel import sharding
 
 
 def planned_optimizer_steps(epochs: int, batches_per_epoch: int, passes: int, accumulation_steps: int) -> int:
@@ -46,7 +46,7 @@ class OptimizerSettings:
     warmup_steps: int
     accumulation_steps: int
     max_grad_norm: float | None
-    data_parallel: Any  # comlrl.distributed.DataParallel
+    data_parallel: Any  # comlrl.parallel.distributed.DataParallel
 
 
 @dataclass

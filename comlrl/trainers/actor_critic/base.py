@@ -10,7 +10,7 @@ another trainer (MARLHF's policy stage) can drive it with its own reward:
 Subclasses decide which models carry value heads and what each critic reads.
 
 Under FSDP the critics are sharded as the actors are, and every value head is an FSDP unit of
-its own (comlrl/sharding.py); checkpoints and exports hold full, unsharded weights.
+its own (comlrl/parallel/sharding.py); checkpoints and exports hold full, unsharded weights.
 """
 
 from __future__ import annotations
@@ -23,17 +23,19 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from comlrl import entities, sharding
+from comlrl.models import entities
+
+from comlrl.parallel import sharding
 from comlrl.algorithms.advantages import gae, moments, normalize
 from comlrl.algorithms.losses import value_loss
-from comlrl.episodes import Rollout
-from comlrl.export import save_pretrained_models, save_value_head
-from comlrl.memory import enable_gradient_checkpointing
-from comlrl.policy import policy_gradient_backward
+from comlrl.rollout.episodes import Rollout
+from comlrl.models.export import save_pretrained_models, save_value_head
+from comlrl.parallel.memory import enable_gradient_checkpointing
+from comlrl.training.policy_update import policy_gradient_backward
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
 from comlrl.trainers.actor_critic.critics import CriticInput
 from comlrl.trainers.base import MultiAgentTrainer, Stage
-from comlrl.value_heads import ValueHead, attach_value_head, distinct_sequence_values, sequence_values
+from comlrl.models.value_heads import ValueHead, attach_value_head, distinct_sequence_values, sequence_values
 
 # One on-policy pass: the probability ratio is exactly 1, so the PPO clip never binds.
 ON_POLICY_CLIP = 0.2
@@ -269,7 +271,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
         The critic's forward and backward passes run with dropout off, as :meth:`values` (the
         rollout-time values the clipping refers to) runs in eval mode.
         """
-        from comlrl.policy import dropout_disabled
+        from comlrl.training.policy_update import dropout_disabled
 
         total = 0.0
         num_turns = len(inputs)

@@ -1,6 +1,6 @@
 """Critic entities and critic inputs: which critic sources a trainer gets, and what each critic reads.
 
-Loading goes through :mod:`comlrl.entities` like the actors; this module adds the critic
+Loading goes through :mod:`comlrl.models.entities` like the actors; this module adds the critic
 rules of the user guide (MAAC: exactly one centralised critic; IAC: one per agent or none
 when actors carry their own heads) and the text a centralised critic reads.
 """
@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from comlrl import entities
+from comlrl.models import entities
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from comlrl.episodes import Rollout
+from comlrl.rollout.episodes import Rollout
 from comlrl.trainers.actor_critic.base import ActorCriticTrainer
 from comlrl.trainers.actor_critic.config import IACConfig
 from comlrl.trainers.actor_critic.critics import CriticInput, independent_critic_sources

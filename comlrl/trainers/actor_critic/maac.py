@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from comlrl.episodes import Rollout
-from comlrl.rollout import context_length, encode_prompts
+from comlrl.rollout.episodes import Rollout
+from comlrl.rollout.generation import context_length, encode_prompts
 from comlrl.trainers.actor_critic.base import ActorCriticTrainer
 from comlrl.trainers.actor_critic.config import MAACConfig
 from comlrl.trainers.actor_critic.critics import CriticInput, centralized_critic_source, joint_text

@@ -34,14 +34,18 @@ from typing import Any, Callable, Sequence
 import torch
 from datasets import Dataset
 
-from comlrl import distributed, entities, preferences, sharding
+from comlrl.parallel import distributed, sharding
+
+from comlrl.models import entities
+
+from comlrl.rollout import preferences
 from comlrl.callbacks import TrainerCallback, dispatch
-from comlrl.device import resolve_device
-from comlrl.metrics import MetricWindow
-from comlrl.reward_model import learned_reward, resolve_reward_device
-from comlrl.rewards import JointReward
-from comlrl.seeding import capture_rng_state, restore_rng_state
-from comlrl.signals import StopRequest
+from comlrl.parallel.device import resolve_device
+from comlrl.training.metrics import MetricWindow
+from comlrl.models.reward_model import learned_reward, resolve_reward_device
+from comlrl.rollout.rewards import JointReward
+from comlrl.training.seeding import capture_rng_state, restore_rng_state
+from comlrl.training.signals import StopRequest
 from comlrl.trainers.preference.config import MARLHFConfig
 from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows
 from comlrl.trainers.preference.policy import critic_arguments, policy_classes, policy_config

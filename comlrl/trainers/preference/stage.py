@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 
-from comlrl import preferences
-from comlrl.episodes import rollout_episodes, score_rollout
-from comlrl.reward_model import JointRewardModel, fit_reward_model
-from comlrl.rewards import JointReward
+from comlrl.rollout import preferences
+from comlrl.rollout.episodes import rollout_episodes, score_rollout
+from comlrl.models.reward_model import JointRewardModel, fit_reward_model
+from comlrl.rollout.rewards import JointReward
 
 
 class PreferenceStage:

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from comlrl.algorithms.advantages import agent_advantages, group_relative_advantages, tree_returns
-from comlrl.episodes import Rollout
-from comlrl.placement import devices_of
-from comlrl.policy import behaviour_logprobs, policy_gradient_backward
+from comlrl.rollout.episodes import Rollout
+from comlrl.parallel.placement import devices_of
+from comlrl.training.policy_update import behaviour_logprobs, policy_gradient_backward
 from comlrl.trainers.base import MultiAgentTrainer, Stage
 from comlrl.trainers.reinforce.config import MAGRPOConfig
 

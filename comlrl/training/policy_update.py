@@ -9,8 +9,8 @@ import torch
 from transformers import PreTrainedModel
 
 from comlrl.algorithms.losses import clipped_policy_loss, masked_sequence_mean, token_entropy
-from comlrl.logprobs import completion_logits, completion_logprobs, token_logprobs
-from comlrl.rollout import Generation
+from comlrl.training.logprobs import completion_logits, completion_logprobs, token_logprobs
+from comlrl.rollout.generation import Generation
 
 
 @contextmanager

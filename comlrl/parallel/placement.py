@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from transformers import PreTrainedModel
 
-from comlrl.device import resolve_device
+from comlrl.parallel.device import resolve_device
 
 T = TypeVar("T")
 Placement = str | Sequence[str] | None

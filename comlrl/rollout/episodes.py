@@ -20,9 +20,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from comlrl.algorithms.advantages import joint_index
 from comlrl.data import Formatter, format_prompt
-from comlrl.placement import AgentMap, devices_of, map_by_device, model_device
-from comlrl.rewards import JointReward
-from comlrl.rollout import Generation, SamplingParams, generate_completions
+from comlrl.parallel.placement import AgentMap, devices_of, map_by_device, model_device
+from comlrl.rollout.rewards import JointReward
+from comlrl.rollout.generation import Generation, SamplingParams, generate_completions
 
 
 @dataclass(frozen=True)

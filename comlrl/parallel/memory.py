@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from comlrl.device import default_dtype
+from comlrl.parallel.device import default_dtype
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

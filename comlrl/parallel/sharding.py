@@ -4,7 +4,7 @@ Turned on by ``accelerate launch --config_file infra/accelerate/fsdp.yaml`` (acc
 ``ACCELERATE_USE_FSDP=true`` and the ``FSDP_*`` variables read by :meth:`FSDPSettings.from_environment`).
 Every decoder layer, then the whole model, becomes an FSDP unit over all processes; a rank holds
 ``1/world_size`` of each parameter, gradient and Adam state. Data still splits as in plain data
-parallelism (comlrl/distributed.py): FSDP's backward reduce-scatters (averages) the gradients,
+parallelism (comlrl/parallel/distributed.py): FSDP's backward reduce-scatters (averages) the gradients,
 so sharded models skip ``DataParallel.average_gradients``.
 
 Generation: forwards without autograd (sampling, behaviour log-probabilities) run on gathered

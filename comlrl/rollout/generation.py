@@ -1,7 +1,7 @@
 """Generation: batched sampling of completions from one agent.
 
 All ``num_generations`` samples of every prompt are decoded together, with left padding and
-the KV cache, by :func:`comlrl.sampling.decode` (or, with ``backend="transformers"``, one
+the KV cache, by :func:`comlrl.rollout.sampling.decode` (or, with ``backend="transformers"``, one
 ``model.generate`` call); completions are returned as padded tensors plus a mask that keeps
 tokens up to and including the first EOS.
 """
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from comlrl.entities import check_ids_in_range
-from comlrl.sampling import SamplingParams, decode
+from comlrl.models.entities import check_ids_in_range
+from comlrl.rollout.sampling import SamplingParams, decode
 
 logger = logging.getLogger(__name__)
 

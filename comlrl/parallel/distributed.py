@@ -10,7 +10,7 @@ and the weights stay identical. Rank 0 writes checkpoints while the others wait 
 all ranks load them. Single-process runs never touch ``torch.distributed``.
 
 An accelerate FSDP launch (``ACCELERATE_USE_FSDP=true``) shards the agents instead of
-replicating them (comlrl/sharding.py); the data still splits as above. DeepSpeed is refused.
+replicating them (comlrl/parallel/sharding.py); the data still splits as above. DeepSpeed is refused.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from comlrl import sharding
-from comlrl.seeding import set_seed
+from comlrl.parallel import sharding
+from comlrl.training.seeding import set_seed
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class DataParallel:
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
-    fsdp: sharding.FSDPSettings | None = None  # set: agents are sharded (comlrl/sharding.py)
+    fsdp: sharding.FSDPSettings | None = None  # set: agents are sharded (comlrl/parallel/sharding.py)
 
     @property
     def enabled(self) -> bool:

@@ -4,7 +4,7 @@ The backbone is loaded from a causal-LM identifier or directory with its own tok
 head reads the hidden state of the last non-padding token. It is fitted with the
 Bradley-Terry loss on preference pairs, then kept fixed as the reward for policy learning.
 
-A joint response is read section by section (:func:`comlrl.preferences.joint_input_sections`)
+A joint response is read section by section (:func:`comlrl.rollout.preferences.joint_input_sections`)
 and, past ``max_length``, cut by :func:`joint_token_budget` so every agent keeps a share.
 """
 
@@ -20,13 +20,13 @@ from datasets import Dataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from comlrl.algorithms.losses import bradley_terry_loss
-from comlrl.device import resolve_device
-from comlrl.distributed import DataParallel
-from comlrl.entities import load_causal_lm, load_tokenizer, prepare_tokenizer
-from comlrl.export import save_value_head
-from comlrl.preferences import joint_input_sections
+from comlrl.parallel.device import resolve_device
+from comlrl.parallel.distributed import DataParallel
+from comlrl.models.entities import load_causal_lm, load_tokenizer, prepare_tokenizer
+from comlrl.models.export import save_value_head
+from comlrl.rollout.preferences import joint_input_sections
 from comlrl.training.optimizer_step import ModelOptimizer, OptimizerSettings
-from comlrl.value_heads import attach_value_head, sequence_values
+from comlrl.models.value_heads import attach_value_head, sequence_values
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def identical_pairs(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> in
 class JointRewardModel(torch.nn.Module):
     """Scores joint responses: ``score(prompts, joint_completions) -> [batch]`` floats.
 
-    ``backbone`` is a causal LM carrying a value head (:mod:`comlrl.value_heads`), the same
+    ``backbone`` is a causal LM carrying a value head (:mod:`comlrl.models.value_heads`), the same
     representation the critics use; the head is registered here so ``parameters()`` covers it.
     """
 

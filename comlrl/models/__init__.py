@@ -1,0 +1,1 @@
+"""Training entities: loading agents and critics with their tokenizers, value heads, the joint reward model, LoRA, export."""

@@ -1,0 +1,1 @@
+"""Where models run: device placement, data parallelism, FSDP sharding, precision and memory."""

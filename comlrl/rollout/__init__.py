@@ -1,0 +1,1 @@
+"""Rollouts: sampling, generation, multi-agent episodes, joint rewards and preference pairs."""
