@@ -32,6 +32,7 @@ def build_trainer(workload: Workload):
         top_k=None,
         agent_learning_rate=workload.learning_rate,
         critic_learning_rate=workload.learning_rate,
+        value_head_learning_rate=None,  # the head at the critic's rate too, as the reference
         critic_type="v",
         value_loss_coef=0.5,
         gae_lambda=0.0,  # one turn: advantage r - V, critic target r (as the reference)

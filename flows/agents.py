@@ -115,8 +115,7 @@ def install(trainer: Any) -> None:
     if not isinstance(runner, _dask_task_runner_class()):
         raise RuntimeError(f"the spec sets execution.task_runner 'dask' but this flow run uses {type(runner).__name__}; "
                            "start it with flows.training.training_flow(spec), as `comlrl run` does")
-    # MARLHF trains its policy with an inner trainer over the same agents.
-    for target in (trainer, getattr(trainer, "policy_trainer", None)):
-        if target is not None:
-            target.agent_map = run_agents_as_tasks
-            target.tokenizers = private_tokenizers(target.tokenizers)  # fast tokenizers are not thread-safe
+    # A preference run's agents, and their map, belong to its policy trainer (it collects with them too).
+    target = getattr(trainer, "policy_trainer", trainer)
+    target.agent_map = run_agents_as_tasks
+    target.tokenizers = private_tokenizers(target.tokenizers)  # fast tokenizers are not thread-safe

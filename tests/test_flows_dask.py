@@ -37,7 +37,8 @@ def rewards(checkpoint: str) -> list[dict[str, float]]:
 def run(pipeline, directory: str, run_id: str, **changes):
     from flows.training import training_flow
 
-    path = write_spec(folder(pipeline["root"] / directory), name="dasktest", config=CONFIG, **changes)
+    changes.setdefault("config", CONFIG)
+    path = write_spec(folder(pipeline["root"] / directory), name="dasktest", **changes)
     spec = load_spec(path, pipeline["root"])
     state = training_flow(spec)(spec_path=str(path), run_id=run_id, workdir=str(pipeline["workdir"]),
                                 root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"], return_state=True)
@@ -161,3 +162,13 @@ def test_execution_section_errors_name_the_field(project):
     with pytest.raises(SpecError, match="drop one of the two"):
         parse_spec({**SPEC, "execution": {"task_runner": "dask", "dask_address": "tcp://10.0.0.5:8786",
                                            "dask_workers": 2}}, "s.yaml", project)
+
+
+def test_a_preference_run_sends_its_agents_work_to_the_dask_runner(pipeline):
+    """MARLHF's agents belong to its policy trainer: collection and policy steps both go through the task map."""
+    config = {**CONFIG, "reward_model_device": None, "reward_train_epochs": 1, "reward_batch_size": 2}
+    _, state = run(pipeline, "marlhf-dask", "marlhf-dask-run", algorithm="marlhf", config=config, execution=DASK)
+    names = task_run_names(state.state_details.flow_run_id)
+    agent_runs = [name for name in names if name.startswith("agent_work-")]
+    assert len(agent_runs) >= 2 * NUM_AGENTS, names
+    assert Path(state.result()["checkpoint"]).name == "checkpoint-3"
