@@ -65,9 +65,10 @@ def _tensors(parameters: Sequence[Any]) -> list[torch.Tensor]:
 def build_adamw(parameters: Sequence[Any], learning_rate: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW, fused where it applies (plain CPU/CUDA tensors, not FSDP's DTensors): one kernel for all
     parameters, a third of the optimizer step's time on the benchmark model (benchmarks/README.md)."""
+    parameters = list(parameters)  # a generator would be spent by the check below
     tensors = _tensors(parameters)
     fused = all(p.device.type in ("cpu", "cuda") and type(p.data) is torch.Tensor for p in tensors)
-    return torch.optim.AdamW(list(parameters), lr=learning_rate, weight_decay=weight_decay, fused=fused or None)
+    return torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=weight_decay, fused=fused or None)
 
 
 class ModelOptimizer:
