@@ -31,11 +31,11 @@ def test_weighted_sum_and_processor():
 @pytest.mark.parametrize(
     "returned, message",
     [
-        ([1.0], "returned 1 rewards for 2 joint samples"),
+        ([1.0, 2.0, 3.0], "returned 3 rewards for 2 joint samples"),
         ([1.0, "x"], "non-number at index 1"),
         ([1.0, math.nan], "returned nan at index 1"),
         ([math.inf, 1.0], "returned inf at index 0"),
-        (3.0, "must return a list of floats"),
+        ("0.5", "must return a number or a list of numbers, got str"),
     ],
 )
 def test_bad_rewards_name_the_function(returned, message):

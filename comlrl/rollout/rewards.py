@@ -4,12 +4,22 @@ A reward function takes one list of completions per agent, positionally
 (``reward_func(completions_0, completions_1, ...)``), plus ``batch_items=`` (the dataset rows)
 if it accepts that keyword, and returns one float per joint sample. Several functions can
 be combined with weights; an optional ``reward_processor`` maps each reward.
+
+The call shapes that code written for the original comlrl uses are decided once per function
+from its signature (:func:`plan_reward_call`): ``f(*completions)``; ``f(completions_0, ...)``;
+``f(prompts, completions_0, ...)`` (N+1 positional parameters, or a first one named
+``prompts``); ``f(agent_completions)`` (one parameter, a list of per-agent lists, with several
+agents); ``prompts=`` and ``batch_items=`` as keywords where declared or ``**kwargs`` takes
+them. ``prompts`` are the rows' ``prompt`` fields. A function that answers a whole batch with a
+single number (or a one-element list), as functions written for the original's one-sample
+calls do, is from then on called once per joint sample.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,12 +27,49 @@ import torch
 RewardFunc = Callable[..., Sequence[float]]
 
 
-def accepts_batch_items(func: Callable) -> bool:
+@dataclass(frozen=True)
+class RewardCallPlan:
+    """How a reward function is called: what goes positionally, which keywords it gets."""
+
+    prompts_first: bool = False  # f(prompts, completions_0, ...)
+    nested: bool = False  # f(agent_completions): one list of per-agent lists
+    batch_items: bool = False
+    prompts_keyword: bool = False
+
+    def arguments(self, prompts: list[str], completions: list[list[str]],
+                  batch_items: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+        args: list[Any] = [completions] if self.nested else list(completions)
+        if self.prompts_first:
+            args = [prompts] + args
+        kwargs: dict[str, Any] = {}
+        if self.batch_items:
+            kwargs["batch_items"] = batch_items
+        if self.prompts_keyword:
+            kwargs["prompts"] = prompts
+        return args, kwargs
+
+
+def plan_reward_call(func: Callable, num_agents: int) -> RewardCallPlan:
+    """Decide from ``func``'s signature how to call it with ``num_agents`` lists of completions."""
     try:
-        parameters = inspect.signature(func).parameters.values()
+        parameters = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
-        return False
-    return any(p.name == "batch_items" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+        return RewardCallPlan()  # no signature to read: completions positionally
+    names = {p.name for p in parameters}
+    var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    # The parameters that must be filled: optional ones (batch_items=None, prompts=None) come as keywords.
+    positional = [p for p in parameters if p.name != "batch_items" and p.default is inspect.Parameter.empty
+                  and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters)
+    prompts_first = not varargs and bool(positional) and (
+        positional[0].name == "prompts" or len(positional) == num_agents + 1)
+    nested = not varargs and not prompts_first and num_agents > 1 and len(positional) == 1
+    return RewardCallPlan(
+        prompts_first=prompts_first,
+        nested=nested,
+        batch_items="batch_items" in names or var_keyword,
+        prompts_keyword=not prompts_first and ("prompts" in names or var_keyword),
+    )
 
 
 def function_name(func: Callable) -> str:
@@ -46,6 +93,7 @@ class JointReward:
         reward_processor: Callable[[float], float] | None = None,
         monitors: dict[str, RewardFunc] | None = None,
         on_invalid: str = "raise",
+        num_agents: int | None = None,
     ) -> None:
         funcs = list(reward_func) if isinstance(reward_func, (list, tuple)) else [reward_func]
         if not funcs:
@@ -69,22 +117,29 @@ class JointReward:
         # Monitors score the same joint samples without entering the reward (e.g. the task
         # reward while training on a learned one); their means are reported as metrics.
         self.monitors = dict(monitors or {})
+        # How each function (by its place in _all_functions()) is called, decided once from its signature:
+        # now if the number of agents is known, else at the first call.
+        self._plans: list[RewardCallPlan | None] = [
+            plan_reward_call(func, num_agents) if num_agents is not None else None for func in self._all_functions()]
+        self._per_sample: set[int] = set()  # functions that answer one joint sample per call
         self._monitor_values: dict[str, list[float]] = {name: [] for name in self.monitors}
 
-    def _call_one(self, func: RewardFunc, completions: list[list[str]], batch_items: list[Any]) -> list[float]:
+    def _call_one(self, place: int, completions: list[list[str]], batch_items: list[Any]) -> list[float]:
+        func = self._all_functions()[place]
         name = function_name(func)
-        kwargs = {"batch_items": batch_items} if accepts_batch_items(func) else {}
-        try:
-            values = func(*completions, **kwargs)
-        except Exception as error:
-            raise RuntimeError(f"reward function {name} raised {type(error).__name__}: {error}") from error
-        if isinstance(values, torch.Tensor):
-            values = values.tolist()
-        try:
-            values = list(values)
-        except TypeError:
-            raise ValueError(f"reward function {name} must return a list of floats, got {type(values).__name__}") from None
+        plan = self._plans[place]
+        if plan is None:
+            plan = self._plans[place] = plan_reward_call(func, len(completions))
+        prompts = [str(row.get("prompt", "")) if isinstance(row, dict) else "" for row in batch_items]
         expected = len(completions[0])
+        if place in self._per_sample:
+            values = [self._values(func, name, plan, prompts[i:i + 1], [c[i:i + 1] for c in completions],
+                                   batch_items[i:i + 1])[0] for i in range(expected)]
+        else:
+            values = self._values(func, name, plan, prompts, completions, batch_items)
+            if len(values) == 1 and expected > 1:  # written for one joint sample per call (the original's calls)
+                self._per_sample.add(place)
+                return self._call_one(place, completions, batch_items)
         if len(values) != expected:
             raise ValueError(f"reward function {name} returned {len(values)} rewards for {expected} joint samples")
         checked = []
@@ -102,11 +157,29 @@ class JointReward:
                 raise ValueError(problem + " (set invalid_reward='drop' to drop such samples and count them)")
         return checked
 
+    @staticmethod
+    def _values(func: RewardFunc, name: str, plan: RewardCallPlan, prompts: list[str], completions: list[list[str]],
+                batch_items: list[Any]) -> list[Any]:
+        """What ``func`` returned for these samples, as a list (a bare number is a list of one)."""
+        args, kwargs = plan.arguments(prompts, completions, batch_items)
+        try:
+            values = func(*args, **kwargs)
+        except Exception as error:
+            raise RuntimeError(f"reward function {name} raised {type(error).__name__}: {error}") from error
+        if isinstance(values, torch.Tensor):
+            values = values.reshape(-1).tolist()
+        if isinstance(values, (int, float)) and not isinstance(values, bool):
+            return [values]
+        if isinstance(values, (str, bytes, dict)) or not isinstance(values, (list, tuple)):
+            raise ValueError(f"reward function {name} must return a number or a list of numbers, got "
+                             f"{type(values).__name__}: {values!r:.80}")
+        return list(values)
+
     def __call__(self, completions: list[list[str]], batch_items: list[Any]) -> torch.Tensor:
         """Rewards of the joint samples, ``completions[agent][sample]``, as a float tensor."""
         total = torch.zeros(len(completions[0]), dtype=torch.float64)
-        for func, weight in zip(self.funcs, self.weights):
-            total += weight * torch.tensor(self._call_one(func, completions, batch_items), dtype=torch.float64)
+        for place, weight in enumerate(self.weights):
+            total += weight * torch.tensor(self._call_one(place, completions, batch_items), dtype=torch.float64)
         if self.processor is not None:
             processed = [float(self.processor(float(value))) if math.isfinite(value) else math.nan for value in total]
             bad = [i for i, value in enumerate(processed) if not math.isfinite(value) and math.isfinite(total[i])]
@@ -124,15 +197,19 @@ class JointReward:
                 )
             result[overflow] = math.nan
         self.dropped += int(torch.isnan(result).sum())
-        for name, monitor in self.monitors.items():
-            self._monitor_values[name].extend(self._call_one(monitor, completions, batch_items))
+        for offset, name in enumerate(self.monitors):
+            self._monitor_values[name].extend(self._call_one(len(self.funcs) + offset, completions, batch_items))
         return result
 
+    def _all_functions(self) -> list[RewardFunc]:
+        return self.funcs + list(self.monitors.values())
+
     def state_dict(self) -> dict[str, Any]:
-        return {"dropped": self.dropped}
+        return {"dropped": self.dropped, "per_sample": sorted(self._per_sample)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dropped = int(state["dropped"])
+        self._per_sample = set(state.get("per_sample", []))
 
     def drain_monitor_metrics(self) -> dict[str, float]:
         """Means of the monitors since the last drain, as ``monitor/<name>`` metrics."""

@@ -92,7 +92,8 @@ class MultiAgentTrainer(TrainingLoop):
         sources = entities.resolve_model_list(agent_model, agents, self.num_agents)
         if reward_func is None:
             raise ValueError(f"{type(self).__name__} needs reward_func (a callable or a list of callables)")
-        self.reward = JointReward(reward_func, self.args.reward_weights, reward_processor, on_invalid=self.args.invalid_reward)
+        self.reward = JointReward(reward_func, self.args.reward_weights, reward_processor,
+                                  on_invalid=self.args.invalid_reward, num_agents=self.num_agents)
         if train_dataset is None:
             raise ValueError(f"{type(self).__name__} needs train_dataset")
         check_dataset(train_dataset, "train_dataset")

@@ -115,7 +115,8 @@ class MARLHFTrainer(TrainingLoop):
         policy = self.policy_trainer
         policy.replan_schedules(self.num_iterations)  # the policy learns in every iteration
         self.task_reward: JointReward = policy.reward  # the user's reward, weights and processor applied
-        policy.reward = JointReward(self._learned_reward, monitors={"task_reward": self._task_reward_values})
+        policy.reward = JointReward(self._learned_reward, monitors={"task_reward": self._task_reward_values},
+                                    num_agents=policy.num_agents)
         self.reward_device = resolve_reward_device(
             self.args.reward_model_device, policy.device, self.args.reward_model_device_fallback
         )
