@@ -22,11 +22,16 @@ def option(
     choices: Sequence[Any] | None = None,
     optional: bool = False,
     kind: type | tuple[type, ...] | None = None,
+    aliases: Sequence[str] = (),
+    supported: Sequence[Any] | None = None,
 ) -> Any:
     """A dataclass field with help text and validation rules.
 
     ``optional=True`` admits ``None``; ``kind`` is the expected Python type (inferred from
     the default when omitted); ``min``/``max`` bound numbers; ``choices`` lists allowed values.
+    ``aliases`` are other keyword names the constructor accepts for this field (the names the
+    original comlrl 1.4.3 used); ``supported`` lists the only values implemented so far: any
+    other valid value is refused at construction as "not supported yet" (never ignored).
     """
     if kind is None and default is not None and not isinstance(default, (list, dict)):
         kind = (int, float) if isinstance(default, float) else type(default)
@@ -38,10 +43,30 @@ def option(
         "choices": tuple(choices) if choices is not None else None,
         "optional": optional or default is None,
         "kind": kind,
+        "aliases": tuple(aliases),
+        "supported": tuple(supported) if supported is not None else None,
     }
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def not_supported_yet(default: Any, help: str, *, also: Sequence[Any] = (), **rules: Any) -> Any:
+    """A field of the original comlrl that is accepted but not implemented: only ``default``
+    (and ``also``) construct; any other value raises a ValueError saying it is not supported yet."""
+    return option(default, help, supported=(default, *also), **rules)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal values of the same sort (True is not 1, "1" is not 1)."""
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, bool) != isinstance(b, bool) or isinstance(a, str) != isinstance(b, str):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
 
 
 def _check_field(owner: str, field: dataclasses.Field, value: Any) -> str | None:
@@ -71,11 +96,65 @@ def _check_field(owner: str, field: dataclasses.Field, value: Any) -> str | None
                 return f"{where} must be >= {low}, got {value!r}"
         if high is not None and value > high:
             return f"{where} must be <= {high}, got {value!r}"
+    supported = meta.get("supported")
+    if supported is not None and not any(_same_value(value, ok) for ok in supported):
+        allowed = ", ".join(repr(ok) for ok in supported)
+        return f"{where}={value!r} is not supported yet (accepted: {allowed}); see docs/migrating.md"
     return None
 
 
+def _alias_map(cls: type) -> dict[str, str]:
+    """alias -> canonical field name of a config class (cached per class)."""
+    cached = cls.__dict__.get("_comlrl_alias_map")
+    if cached is not None:
+        return cached
+    names = {f.name for f in dataclasses.fields(cls)}
+    mapping: dict[str, str] = {}
+    for field in dataclasses.fields(cls):
+        for alias in field.metadata.get("aliases", ()) if field.metadata else ():
+            if alias in names or alias in mapping:
+                raise TypeError(f"{cls.__name__}: alias {alias!r} of {field.name!r} clashes with another field or alias")
+            mapping[alias] = field.name
+    type.__setattr__(cls, "_comlrl_alias_map", mapping)
+    return mapping
+
+
+class _ConfigMeta(type):
+    """Translates alias keywords to their canonical field before the dataclass ``__init__`` runs,
+    so ``dataclasses.fields``, ``to_dict`` and ``help`` only ever see the canonical names."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if kwargs and dataclasses.is_dataclass(cls):
+            kwargs = _resolve_aliases(cls, kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+def _resolve_aliases(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    mapping = _alias_map(cls)
+    if not mapping or not mapping.keys() & kwargs.keys():
+        return kwargs
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    resolved = {key: value for key, value in kwargs.items() if key not in mapping}
+    given_as: dict[str, str] = {key: key for key in resolved}
+    for alias in (key for key in kwargs if key in mapping):
+        canonical, value = mapping[alias], kwargs[alias]
+        meta = fields[canonical].metadata
+        if value is None and not meta.get("optional", True):
+            continue  # the original's "unset" for a field that takes no None here: keep our default
+        if canonical in resolved:
+            if not _same_value(resolved[canonical], value):
+                raise ValueError(
+                    f"{cls.__name__}: {given_as[canonical]}={resolved[canonical]!r} and {alias}={value!r} disagree; "
+                    f"{alias} is another name of {canonical}: give one of them"
+                )
+            continue
+        resolved[canonical] = value
+        given_as[canonical] = alias
+    return resolved
+
+
 @dataclasses.dataclass
-class ConfigBase:
+class ConfigBase(metaclass=_ConfigMeta):
     """Validates every :func:`option` field, then calls :meth:`validate` for cross-field rules."""
 
     def __post_init__(self) -> None:
@@ -99,5 +178,12 @@ class ConfigBase:
 
     @classmethod
     def help(cls) -> dict[str, str]:
-        """Field name -> help text, for CLIs and docs."""
-        return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+        """Field name -> help text, for CLIs and docs (aliases are named in the text)."""
+        texts = {}
+        for f in dataclasses.fields(cls):
+            text = f.metadata.get("help", "")
+            aliases = f.metadata.get("aliases", ())
+            if aliases:
+                text += f" (also accepted as {', '.join(aliases)}: the original comlrl's name)"
+            texts[f.name] = text
+        return texts

@@ -172,7 +172,11 @@ def load_pt(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def prune(checkpoint_dir: str | Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints."""
+def prune(checkpoint_dir: str | Path, keep: int, spare: str | Path | None = None) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints; ``spare`` (the checkpoint a run
+    resumed from) is never deleted, even when it is older than those."""
+    spared = Path(spare).resolve() if spare is not None else None
     for old in list_checkpoints(checkpoint_dir)[:-keep]:
+        if spared is not None and old.resolve() == spared:
+            continue
         shutil.rmtree(old, ignore_errors=True)

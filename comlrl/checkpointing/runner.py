@@ -172,5 +172,5 @@ class CheckpointRunner:
         path = io.write_checkpoint(self.checkpoint_dir, name, modules, state, metadata, history)
         self.last_saved = trainer.state.boundaries
         if self.save_total_limit is not None:
-            io.prune(self.checkpoint_dir, self.save_total_limit)
+            io.prune(self.checkpoint_dir, self.save_total_limit, spare=self.resume_path)
         return path

@@ -9,6 +9,8 @@ import importlib
 from typing import Any
 
 _HOMES = {
+    "ActorCriticTrainerBase": "comlrl.trainers.actor_critic",
+    "JointRewardModel": "comlrl.trainers.preference",
     "IACConfig": "comlrl.trainers.actor_critic",
     "IACTrainer": "comlrl.trainers.actor_critic",
     "MAACConfig": "comlrl.trainers.actor_critic",
@@ -16,6 +18,7 @@ _HOMES = {
     "MAGRPOConfig": "comlrl.trainers.reinforce",
     "MAGRPOTrainer": "comlrl.trainers.reinforce",
     "MARLHFConfig": "comlrl.trainers.preference",
+    "MARLHFIterConfig": "comlrl.trainers.preference",
     "MARLHFIterTrainer": "comlrl.trainers.preference",
     "MARLHFTrainer": "comlrl.trainers.preference",
 }

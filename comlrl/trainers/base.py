@@ -35,6 +35,7 @@ from comlrl.rollout.episodes import Rollout, RolloutSpec, rollout_episodes, scor
 from comlrl.rollout.generation import context_length
 from comlrl.training.seeding import capture_rng_state, restore_rng_state, set_seed
 from comlrl.trainers.config import RolloutConfig
+from comlrl.tracking_wandb import wandb_callback
 from comlrl.training.loop import TrainerState, TrainingLoop
 from comlrl.training.optimizer_step import (ModelOptimizer, OptimizerSettings, StepResult,
                                             planned_optimizer_steps)
@@ -55,6 +56,28 @@ class Stage:
     inputs: tuple[str, ...]
     output: str
     timing: str | None = None
+
+
+def resolve_num_samples(num_samples: int | None, num_eval_samples: int | None) -> int | None:
+    """``evaluate``'s row count from its two names (``num_samples``, 1.4.3's ``num_eval_samples``)."""
+    if num_eval_samples is None:
+        return num_samples
+    if num_samples is not None and num_samples != num_eval_samples:
+        raise ValueError(f"num_samples={num_samples!r} and num_eval_samples={num_eval_samples!r} disagree; "
+                         "they name the same setting, give one of them")
+    return num_eval_samples
+
+
+@dataclass
+class CallbackSample:
+    """One completion as ``metrics_callback`` receives it (the fields 1.4.3's rollout samples had)."""
+
+    agent_idx: int
+    prompt: str
+    completion: str
+    reward: torch.Tensor
+    returns: torch.Tensor
+    metadata: dict[str, Any]
 
 
 class MultiAgentTrainer(TrainingLoop):
@@ -82,6 +105,9 @@ class MultiAgentTrainer(TrainingLoop):
         model_config: dict[str, Any] | None = None,
         wandb_config: dict[str, Any] | None = None,
         args: RolloutConfig | None = None,
+        metrics_callback: Callable[[list[Any]], dict[str, Any]] | None = None,
+        eval_logger: Callable[..., Any] | None = None,
+        eval_aggregator: Callable[..., dict[str, Any]] | None = None,
     ) -> None:
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
@@ -94,34 +120,38 @@ class MultiAgentTrainer(TrainingLoop):
             raise ValueError(f"{type(self).__name__} needs reward_func (a callable or a list of callables)")
         self.reward = JointReward(reward_func, self.args.reward_weights, reward_processor,
                                   on_invalid=self.args.invalid_reward, num_agents=self.num_agents)
-        if train_dataset is None:
-            raise ValueError(f"{type(self).__name__} needs train_dataset")
-        check_dataset(train_dataset, "train_dataset")
+        for name, hook in (("metrics_callback", metrics_callback), ("eval_logger", eval_logger),
+                           ("eval_aggregator", eval_aggregator)):
+            if hook is not None and not callable(hook):
+                raise ValueError(f"{name} must be callable, got {type(hook).__name__}")
         if eval_dataset is not None:
             check_dataset(eval_dataset, "eval_dataset")
         if self.args.num_turns > 1 and external_transition is None:
             raise ValueError(f"num_turns={self.args.num_turns} needs external_transition to produce the next turn's prompts")
         if external_transition is not None and not callable(external_transition):
             raise ValueError("external_transition must be callable")
-        if len(train_dataset) < self.args.per_device_train_batch_size:
-            raise ValueError(
-                f"train_dataset has {len(train_dataset)} rows, fewer than one batch "
-                f"(per_device_train_batch_size={self.args.per_device_train_batch_size}); lower the batch size"
-            )
         self.formatters = resolve_formatters(formatters, self.num_agents)
-        for agent, formatter in enumerate(self.formatters):  # a missing field fails now, not mid-run
-            format_prompt(formatter, train_dataset[0], agent, 0)
+        self.data_parallel = distributed.current()
+        # The dataset may come later (``trainer.train_dataset = ...`` before train()); it is checked when it does.
+        self._train_dataset = None
+        if train_dataset is not None:
+            self.check_train_dataset(train_dataset)
+            self._train_dataset = train_dataset
         self.external_transition = external_transition
         # What every rollout of this trainer samples, formats and chains (training and evaluation alike).
         self.rollout_spec = RolloutSpec.from_config(self.args, self.formatters, external_transition)
         self.joint_index = self.rollout_spec.joint_index
-        self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
-        self.data_parallel = distributed.current()
-        self.data_parallel.check_batches(len(train_dataset), self.args.per_device_train_batch_size)
         # Under data parallelism only rank 0 logs, so trackers see one run.
         self.callbacks: list[TrainerCallback] = list(callbacks or []) if self.data_parallel.is_main else []
         self.wandb_config = wandb_config
+        self.metrics_callback = metrics_callback
+        self.eval_logger = eval_logger
+        self.eval_aggregator = eval_aggregator
+        if wandb_config is not None and self.data_parallel.is_main:
+            tracker = wandb_callback(wandb_config)  # None (after one warning) without the wandb package
+            if tracker is not None:
+                self.callbacks.append(tracker)
         self.agent_devices = self.resolve_devices(self.args.device, sources, "device")
         self.device = self.agent_devices[0]
         self.dtype = self.model_config.get("dtype") or resolve_precision(self.args.precision, self.device)
@@ -159,6 +189,42 @@ class MultiAgentTrainer(TrainingLoop):
         self.model_optimizers: dict[str, ModelOptimizer] = self.build_agent_optimizers()
         self.state = self.new_state()
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
+
+    # ----- the training data -----------------------------------------------------------------
+    @property
+    def train_dataset(self) -> Any:
+        return self._train_dataset
+
+    @train_dataset.setter
+    def train_dataset(self, dataset: Any) -> None:
+        """A dataset given after construction is checked as the constructor would, and the learning-rate
+        schedules are re-planned over its batches (while no optimizer step has been taken)."""
+        if dataset is not None:
+            self.check_train_dataset(dataset)
+        self._train_dataset = dataset
+        components = getattr(self, "model_optimizers", None)
+        if dataset is not None and components and not any(c.steps for c in components.values()):
+            self.replan_schedules(self.schedule_repeats)
+
+    def check_train_dataset(self, dataset: Any) -> None:
+        """Fail early on a dataset that cannot train: too small, rows the formatters cannot read, or
+        batches that do not split over the data-parallel processes."""
+        check_dataset(dataset, "train_dataset")
+        if len(dataset) < self.args.per_device_train_batch_size:
+            raise ValueError(
+                f"train_dataset has {len(dataset)} rows, fewer than one batch "
+                f"(per_device_train_batch_size={self.args.per_device_train_batch_size}); lower the batch size"
+            )
+        for agent, formatter in enumerate(self.formatters):  # a missing field fails now, not mid-run
+            format_prompt(formatter, dataset[0], agent, 0)
+        self.data_parallel.check_batches(len(dataset), self.args.per_device_train_batch_size)
+
+    def check_can_train(self) -> None:
+        if self.train_dataset is None:
+            raise ValueError(
+                f"{type(self).__name__} has no train_dataset: give train_dataset= to the constructor or set "
+                "trainer.train_dataset before train()"
+            )
 
     # ----- construction helpers -------------------------------------------------------------
     def new_state(self) -> TrainerState:
@@ -253,6 +319,8 @@ class MultiAgentTrainer(TrainingLoop):
         return self.args.per_device_train_batch_size * self.data_parallel.world_size
 
     def batches_per_epoch(self) -> int:
+        if self.train_dataset is None:  # planned again when the dataset is set
+            return 0
         return len(batches(list(range(len(self.train_dataset))), self.global_batch_size))
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
@@ -366,22 +434,69 @@ class MultiAgentTrainer(TrainingLoop):
         first = rewards[0]
         kept = first[~torch.isnan(first)]
         metrics = {"reward_mean": float(kept.mean()), "reward_std": float(kept.std(unbiased=False))}
+        # Per turn, numbered from 1 (as comlrl 1.4.3 names them, one turn included): the mean reward, and
+        # the expected return, the undiscounted reward sum from that turn on.
+        undiscounted = tree_returns(rewards, 1.0)
+        for turn, (turn_rewards, turn_returns) in enumerate(zip(rewards, undiscounted), start=1):
+            metrics[f"turn_{turn}/reward_mean"] = float(turn_rewards.nanmean())
+            metrics[f"turn_{turn}/expected_return"] = float(turn_returns.nanmean())
         if len(rewards) > 1:
-            for turn, turn_rewards in enumerate(rewards):
-                metrics[f"turn_{turn}/reward_mean"] = float(turn_rewards.nanmean())
             metrics["return_mean"] = float(tree_returns(rewards, self.args.discount)[0].nanmean())
         for agent in range(self.num_agents):
             lengths = torch.cat([turn.generations[agent].lengths().float() for turn in rollout.turns])
             metrics[f"agent_{agent}/completion_length"] = float(lengths.mean())
+        if self.metrics_callback is not None:
+            metrics.update(self.callback_metrics(rollout, rewards))
         return metrics
 
+    def callback_metrics(self, rollout: Rollout, rewards: list[torch.Tensor]) -> dict[str, float]:
+        """``metrics_callback(samples)`` once per dataset row of ``rollout``, its numbers averaged over the rows.
+
+        ``samples`` is what 1.4.3 passed: one :class:`CallbackSample` per agent, generation and turn
+        (``agent_idx``, ``prompt``, ``completion``, ``reward``, ``returns``, ``metadata`` with
+        ``turn_idx``, ``generation_idx`` and ``batch_item``). A returned value that is not a number is skipped.
+        """
+        returns = tree_returns(rewards, self.args.discount)
+        per_row: dict[int, list[CallbackSample]] = {row: [] for row in range(len(rollout.rows))}
+        joint = rollout.joint_index
+        for turn_number, turn in enumerate(rollout.turns):
+            per_node = turn.generations[0].num_generations
+            for node, row in enumerate(turn.node_rows):
+                for agent in range(self.num_agents):
+                    for generation in range(per_node):
+                        uses = joint[:, agent] == generation  # the joint samples this completion is part of
+                        per_row[row].append(CallbackSample(
+                            agent_idx=agent,
+                            prompt=turn.prompts[agent][node],
+                            completion=turn.generations[agent].texts[node * per_node + generation],
+                            reward=rewards[turn_number][node][uses].nanmean().reshape(1).float().cpu(),
+                            returns=returns[turn_number][node][uses].nanmean().reshape(1).float().cpu(),
+                            metadata={"turn_idx": turn_number, "generation_idx": generation,
+                                      "batch_item": rollout.rows[row]},
+                        ))
+        totals: dict[str, list[float]] = {}
+        for samples in per_row.values():
+            extra = self.metrics_callback(samples)
+            if not isinstance(extra, dict):
+                continue
+            for key, value in extra.items():
+                try:
+                    number = float(value)
+                except (TypeError, ValueError):
+                    continue
+                totals.setdefault(str(key), []).append(number)
+        return {key: sum(values) / len(values) for key, values in totals.items()}
+
     def evaluate(self, dataset: Any = None, num_samples: int | None = None,
-                 reward: JointReward | None = None) -> dict[str, float]:
+                 reward: JointReward | None = None, *, num_eval_samples: int | None = None) -> dict[str, float]:
         """Mean joint reward (the trainer's, or ``reward``) on the first ``eval_num_samples`` rows of ``eval_dataset``.
 
         Runs the trainer's ``rollout`` and ``score`` stages under a fixed seed inside a forked
-        RNG (every GPU in use included), so evaluating never changes training.
+        RNG (every GPU in use included), so evaluating never changes training. ``num_eval_samples``
+        is 1.4.3's name of ``num_samples``. With ``eval_logger`` and ``eval_aggregator`` both given,
+        their metrics are added under ``eval/``.
         """
+        num_samples = resolve_num_samples(num_samples, num_eval_samples)
         dataset = dataset if dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
@@ -394,7 +509,28 @@ class MultiAgentTrainer(TrainingLoop):
             rewards = self.score(rollout, reward)
         metrics = self.rollout_metrics(rollout, rewards)
         metrics.update((reward or self.reward).drain_monitor_metrics())
+        if self.eval_logger is not None and self.eval_aggregator is not None:
+            metrics.update(self.logged_eval_metrics(rollout))
         return {f"eval/{name}": value for name, value in metrics.items()}
+
+    def logged_eval_metrics(self, rollout: Rollout) -> dict[str, Any]:
+        """``eval_aggregator(eval_logger(...), num_turns=...)`` on one path per row (the first joint sample
+        of every turn), called as 1.4.3 called them."""
+        joint = rollout.joint_index
+        completions: list[list[list[str]]] = [[[] for _ in rollout.rows] for _ in range(self.num_agents)]
+        for row in range(len(rollout.rows)):
+            node = row
+            for turn in rollout.turns:
+                per_node = turn.generations[0].num_generations
+                for agent in range(self.num_agents):
+                    index = node * per_node + int(joint[0, agent])
+                    completions[agent][row].append(turn.generations[agent].texts[index])
+                node = node * rollout.num_joint  # the child of the first joint sample
+        prompts = [row.get("prompt", "") if isinstance(row, dict) else "" for row in rollout.rows]
+        detailed = self.eval_logger(agent_completions_turns=completions, batch_items=list(rollout.rows),
+                                    prompts=prompts)
+        aggregated = self.eval_aggregator(detailed, num_turns=self.args.num_turns)
+        return dict(aggregated or {})
 
     def record_steps(self, results: dict[str, StepResult | None]) -> dict[str, float]:
         """Count the optimizer steps just taken (``None``: no step) and return their metrics."""

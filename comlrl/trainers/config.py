@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from comlrl.config import ConfigBase, option
+from comlrl.config import ConfigBase, not_supported_yet, option
 from comlrl.parallel.placement import check_placement_format
 from comlrl.rollout.sampling import BACKENDS
 
@@ -43,12 +43,13 @@ class RolloutConfig(ConfigBase):
     seed: int = option(42, "Seed of data order, sampling and initialisation.", min=0)
     shuffle: bool = option(True, "Shuffle the rows of each epoch (seeded by seed and epoch).")
     logging_steps: int = option(1, "Send averaged metrics to callbacks every N steps.", min=1)
-    eval_interval: int | None = option(None, "Evaluate on eval_dataset every N steps (None = only when asked).",
-                                       min=1, kind=int, optional=True)
+    eval_interval: int | None = option(None, "Evaluate on eval_dataset every N steps (None or 0 = only when asked).",
+                                       min=0, kind=int, optional=True)
     eval_num_samples: int = option(4, "Rows of eval_dataset used per evaluation.", min=1)
     device: str | list = option(
         "auto", "Placement of the agents: 'auto' (spread over this process's GPUs by size; CPU without GPUs), "
-        "one device for all ('cpu', 'cuda', 'cuda:N') or a list with one device per agent.", kind=(str, list))
+        "one device for all ('cpu', 'cuda', 'cuda:N') or a list with one device per agent.", kind=(str, list),
+        aliases=("agent_devices",))
     precision: str = option("auto", "Dtype the models load and train in: 'auto' (bf16 on CUDA GPUs that support it, "
                             "else fp32), 'fp32', 'bf16' or 'fp16' (no loss scaling; prefer bf16).",
                             choices=("auto", "fp32", "bf16", "fp16"))
@@ -72,6 +73,30 @@ class RolloutConfig(ConfigBase):
     max_nonfinite_updates: int = option(3, "Skip an update whose loss or gradient is NaN/inf; stop the run (with a "
                                         "checkpoint when checkpointing is on) after this many in a row.", min=1)
 
+    # Fields of the original comlrl 1.4.3, accepted so its configs construct (docs/migrating.md).
+    parallel_training: str = option(
+        "none", "Original comlrl's agent parallelism, 'none' or 'mp' (agents on separate devices, run in threads). Here "
+        "placement comes from device (alias agent_devices); either value trains the same.", choices=("none", "mp"))
+    rollout_buffer_size: int | None = option(
+        None, "Original comlrl's per-agent sample count before an update. Here an update uses "
+        "per_device_train_batch_size x gradient_accumulation_steps prompts; a value is accepted only in single-turn "
+        "training and when it equals that many samples per agent (None = not given).", min=1, kind=int, optional=True)
+    train_batch_size: int | None = option(
+        None, "Original comlrl's samples per optimizer step within a buffer; accepted only when equal to the samples "
+        "of one update here (see rollout_buffer_size; None = not given).", min=1, kind=int, optional=True)
+    eval_batch_size: int = not_supported_yet(1, "Original comlrl's evaluation batch size; only 1 is accepted so far.",
+                                             min=1)
+    early_termination_threshold: float | None = option(
+        None, "Original comlrl's multi-turn early stop (a branch whose mean reward exceeds it gets no further turns). "
+        "Not implemented: accepted only with num_turns=1, where it has no effect (None = off).",
+        kind=(int, float), optional=True)
+    reference_kl_enabled: bool = not_supported_yet(False, "Original comlrl's KL penalty to a frozen reference model; "
+                                                   "not supported yet (False only).")
+    reference_kl_coef: float = not_supported_yet(0.1, "Original comlrl's reference-KL weight; not supported yet "
+                                                 "(only the original's default 0.1).", min=0.0)
+    reference_devices: str | list | None = not_supported_yet(
+        None, "Original comlrl's reference-model placement; not supported yet (None only).", kind=(str, list))
+
     def validate(self) -> list[str]:
         problems = []
         name = type(self).__name__
@@ -82,6 +107,33 @@ class RolloutConfig(ConfigBase):
         placement = check_placement_format(self.device, self.num_agents, f"{name}.device")
         if placement:
             problems.append(placement)
+        return problems + self._original_batching_problems()
+
+    def _samples_per_update(self) -> int | None:
+        """Samples per agent in one optimizer step, in the original comlrl's count (None: no equivalent)."""
+        if self.num_turns != 1:
+            return None
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    def _original_batching_problems(self) -> list[str]:
+        name = type(self).__name__
+        problems = []
+        if self.early_termination_threshold is not None and self.num_turns > 1:
+            problems.append(
+                f"{name}.early_termination_threshold={self.early_termination_threshold!r} is not supported yet with "
+                f"num_turns={self.num_turns}: every episode here runs all turns; set it to None"
+            )
+        per_update = self._samples_per_update()
+        for field in ("rollout_buffer_size", "train_batch_size"):
+            value = getattr(self, field)
+            if value is None or value == per_update:
+                continue
+            if per_update is None:
+                why = f"with num_turns={self.num_turns} it has no equivalent here"
+            else:
+                why = (f"an update here uses per_device_train_batch_size x gradient_accumulation_steps = "
+                       f"{per_update} samples per agent; set those instead (or give {field}={per_update})")
+            problems.append(f"{name}.{field}={value!r} is not supported yet: {why}")
         return problems
 
 

@@ -34,6 +34,21 @@ class TrainerState:
     history: list[dict[str, float]] = field(default_factory=list)
 
 
+def resolve_total_limit(checkpoint_total_limit: int | None, save_total_limit: int | None) -> int | None:
+    """One checkpoint limit from its two names (``checkpoint_total_limit``, ``save_total_limit``)."""
+    for name, value in (("checkpoint_total_limit", checkpoint_total_limit), ("save_total_limit", save_total_limit)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    if checkpoint_total_limit is None:
+        return save_total_limit
+    if save_total_limit is not None and save_total_limit != checkpoint_total_limit:
+        raise ValueError(
+            f"checkpoint_total_limit={checkpoint_total_limit!r} and save_total_limit={save_total_limit!r} disagree; "
+            "they name the same setting, give one of them"
+        )
+    return checkpoint_total_limit
+
+
 class TrainingLoop:
     """``train()``: begin (seed or resume), every remaining boundary with its checkpoint, end."""
 
@@ -49,9 +64,24 @@ class TrainingLoop:
         """Where the steps look for a stop request (SIGTERM/SIGINT)."""
         self.stop_request = request
 
-    def train(self, **checkpoint_options: Any) -> list[dict[str, float]]:
-        """Run every remaining boundary; returns the per-step metrics history."""
-        runner = self.begin_training(**checkpoint_options)
+    def train(
+        self,
+        resume_from_checkpoint: Any = None,
+        checkpoint_dir: Any = None,
+        checkpoint_interval: int = 1,
+        checkpoint_total_limit: int | None = None,
+        save_total_limit: int | None = None,
+    ) -> list[dict[str, float]]:
+        """Run every remaining boundary; returns the per-step metrics history.
+
+        ``checkpoint_total_limit`` keeps only the newest N complete checkpoints (the one the
+        run resumed from is never deleted); ``save_total_limit`` is another name for it.
+        """
+        runner = self.begin_training(
+            resume_from_checkpoint=resume_from_checkpoint, checkpoint_dir=checkpoint_dir,
+            checkpoint_interval=checkpoint_interval, checkpoint_total_limit=checkpoint_total_limit,
+            save_total_limit=save_total_limit,
+        )
         with stop_on_signals() as request:
             self.watch_stop(request)
             try:
@@ -64,12 +94,27 @@ class TrainingLoop:
         self.end_training(runner)
         return self.state.history
 
-    def begin_training(self, **checkpoint_options: Any) -> Any:
+    def check_can_train(self) -> None:
+        """Refuse to start (before any work) when something training needs is missing: here, the training data."""
+        if getattr(self, "train_dataset", None) is None:
+            raise ValueError(f"{type(self).__name__} has no train_dataset; give one before train()")
+
+    def begin_training(
+        self,
+        resume_from_checkpoint: Any = None,
+        checkpoint_dir: Any = None,
+        checkpoint_interval: int = 1,
+        checkpoint_total_limit: int | None = None,
+        save_total_limit: int | None = None,
+    ) -> Any:
         """Seed a fresh run or restore a checkpoint, then ``on_train_begin``; returns the
         :class:`~comlrl.checkpointing.runner.CheckpointRunner` that saves the boundaries."""
         from comlrl.checkpointing.runner import CheckpointRunner
 
-        runner = CheckpointRunner(self, **checkpoint_options)
+        limit = resolve_total_limit(checkpoint_total_limit, save_total_limit)
+        self.check_can_train()
+        runner = CheckpointRunner(self, checkpoint_dir=checkpoint_dir, checkpoint_interval=checkpoint_interval,
+                                  resume_from_checkpoint=resume_from_checkpoint, save_total_limit=limit)
         if runner.resume_path is None and self.state.global_step == 0 and self.state.boundaries == 0:
             set_seed(self.args.seed)  # a fresh run is reproducible whatever ran before it
         runner.begin()

@@ -1,4 +1,9 @@
-"""Small public helpers."""
+"""Small public helpers, including the helper names of the original comlrl ``comlrl.utils``.
+
+The submodules keep the original's import paths (``comlrl.utils.reward_processor``,
+``reward_utils``, ``formatters``, ``tokenizer_utils``, ``model_loading``, ``distributed``);
+each is a thin layer over this package's own machinery.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,22 @@ from pathlib import Path
 from typing import Any
 
 from comlrl.checkpointing.io import read_metadata
+from comlrl.utils.distributed import DistributedContext, local_context, unwrap_model
+from comlrl.utils.formatters import build_formatters
+from comlrl.utils.model_loading import infer_model_name, resolve_model_sources
+from comlrl.utils.reward_processor import RewardProcessors
+from comlrl.utils.reward_utils import (
+    call_reward_function,
+    normalize_reward_lengths,
+    resolve_reward_range,
+    set_reward_range,
+)
+from comlrl.utils.tokenizer_utils import (
+    apply_tokenizer_specials,
+    ensure_pad_token,
+    ensure_tokenizer,
+    resolve_tokenizers,
+)
 
 
 def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
@@ -17,4 +38,21 @@ def read_checkpoint_metadata(path: str | Path) -> dict[str, Any]:
     return read_metadata(path)
 
 
-__all__ = ["read_checkpoint_metadata"]
+__all__ = [
+    "read_checkpoint_metadata",
+    "build_formatters",
+    "ensure_pad_token",
+    "ensure_tokenizer",
+    "apply_tokenizer_specials",
+    "resolve_tokenizers",
+    "infer_model_name",
+    "resolve_model_sources",
+    "RewardProcessors",
+    "call_reward_function",
+    "normalize_reward_lengths",
+    "resolve_reward_range",
+    "set_reward_range",
+    "DistributedContext",
+    "local_context",
+    "unwrap_model",
+]

@@ -20,8 +20,9 @@ class ActorCriticConfig(RolloutConfig):
         "v", "Critic target: 'v' values the context V(h), 'q' the context plus the completion Q(h, a); a Q critic's "
         "baseline for a completion is the mean Q of the other completions of its prompt (needs num_generations >= 2).",
         choices=("v", "q"))
-    critic_learning_rate: float = option(5e-6, "AdamW learning rate of the separate critics' backbones.", min=0.0,
-                                         min_exclusive=True)
+    critic_learning_rate: float | None = option(
+        5e-6, "AdamW learning rate of the separate critics' backbones (None = agent_learning_rate, as in the "
+        "original comlrl).", min=0.0, min_exclusive=True, kind=(int, float), optional=True)
     value_loss_coef: float = option(0.5, "Weight of the critic's MSE loss.", min=0.0, min_exclusive=True)
     value_clip_range: float | None = option(
         None, "Clip each value to within this distance of its rollout-time value in the critic loss (None = off).",
@@ -40,16 +41,24 @@ class ActorCriticConfig(RolloutConfig):
         min_exclusive=True, kind=(int, float), optional=True)
     normalize_advantages: bool = option(
         True, "Standardise each agent's advantages over the batch (needs >= 2 samples): a critic that has not fitted "
-        "yet leaves every advantage positive, which rewards the shortest completions.")
+        "yet leaves every advantage positive, which rewards the shortest completions.",
+        aliases=("advantage_normalization",))
     entropy_coef: float = option(0.0, "Weight of the policy-entropy bonus in the actor loss (0 = off).", min=0.0)
     critic_device: str | list | None = option(
         None, "Placement of the separate critics: None (each next to the actor whose tokens it reads), 'auto', one "
-        "device for all, or a list with one device per critic.", kind=(str, list), optional=True)
+        "device for all, or a list with one device per critic.", kind=(str, list), optional=True,
+        aliases=("critic_devices",))
 
     def __post_init__(self) -> None:
         if self.num_generations is None and isinstance(self.num_turns, int):
             self.num_generations = 1 if self.num_turns > 1 else 4
+        if self.critic_learning_rate is None:
+            self.critic_learning_rate = self.agent_learning_rate
         super().__post_init__()
+
+    def _samples_per_update(self) -> int | None:
+        per_update = super()._samples_per_update()
+        return None if per_update is None else per_update * self.num_generations
 
     def validate(self) -> list[str]:
         problems = super().validate()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from comlrl.config import option
+from comlrl.config import not_supported_yet, option
 from comlrl.trainers.reinforce.config import MAGRPOConfig
 
 RL_ALGORITHMS = ("magrpo", "maac", "iac")
@@ -31,8 +32,10 @@ class MARLHFConfig(MAGRPOConfig):
         False, "If reward_model_device is missing (e.g. no CUDA), use the trainer's device with a warning instead of failing.")
     reward_freeze_backbone: bool = option(False, "Train only the reward model's scalar head.")
     reward_learning_rate: float = option(1e-4, "AdamW learning rate of the reward model.", min=0.0, min_exclusive=True)
-    reward_train_epochs: int = option(3, "Epochs over the preference pairs per reward fit.", min=1)
-    reward_batch_size: int = option(8, "Preference pairs per reward-model step.", min=1)
+    reward_train_epochs: int = option(3, "Epochs over the preference pairs per reward fit.", min=1,
+                                      aliases=("reward_num_train_epochs",))
+    reward_batch_size: int = option(8, "Preference pairs per reward-model step.", min=1,
+                                    aliases=("reward_train_batch_size",))
     reward_max_length: int | None = option(None, "Truncate reward-model inputs to N tokens (None = no truncation).",
                                            min=1, kind=int, optional=True)
     reward_early_stopping_patience: int | None = option(
@@ -42,10 +45,11 @@ class MARLHFConfig(MAGRPOConfig):
     num_preference_prompts: int | None = option(
         None, "Prompts sampled for preference collection per iteration (None = every train row).", min=1, kind=int, optional=True)
     preference_num_generations: int | None = option(
-        None, "Joint samples per prompt during collection (None = num_generations).", min=2, kind=int, optional=True)
+        None, "Joint samples per prompt during collection (None = num_generations).", min=2, kind=int, optional=True,
+        aliases=("preference_num_candidates",))
     preference_tie_margin: float = option(0.0, "Pairs whose task rewards differ by no more than this are dropped.", min=0.0)
     max_pairs_per_prompt: int | None = option(None, "Keep at most N pairs per prompt, widest reward margin first.",
-                                              min=1, kind=int, optional=True)
+                                              min=1, kind=int, optional=True, aliases=("preference_pairs_per_sample",))
     policy_guard: bool = option(
         True, "Score the task reward on the eval rows (else the first train rows) before and after each policy stage; "
         "if the stage lowered it by more than policy_guard_tolerance, restore the trainable weights and optimizer "
@@ -55,3 +59,113 @@ class MARLHFConfig(MAGRPOConfig):
                                     kind=str, optional=True)
     num_iterations: int = option(1, "MARLHFIterTrainer: rounds of collect -> fit -> policy (counts the whole run).", min=1)
     pool_preference_pairs: bool = option(False, "MARLHFIterTrainer: fit on the pairs of every iteration so far, not just the latest.")
+
+    # Fields of the original comlrl 1.4.3, accepted so its configs construct (docs/migrating.md).
+    pair_selection: str = option(
+        "reward_gap", "Which pairs of a prompt are kept: 'reward_gap' (widest margin first, at most "
+        "max_pairs_per_prompt) or 'all' (needs max_pairs_per_prompt=None); the original's 'random' and "
+        "'comparator_reward' are not supported yet.", choices=("reward_gap", "all", "random", "comparator_reward"),
+        supported=("reward_gap", "all"))
+    collaboration_mode: str = not_supported_yet(
+        "decentralized", "Original comlrl's collaboration mode; 'centralized' (one actor for all) is not supported yet.",
+        choices=("decentralized", "centralized"))
+    dpo_beta: float = not_supported_yet(0.1, "Original comlrl's MADPO loss temperature (not used by MARLHF); only "
+                                        "the original's default is accepted.", min=0.0, min_exclusive=True)
+    use_environment_step: bool = not_supported_yet(True, "Original comlrl's MADPO step counting; only the default.")
+    environment_steps_per_pair: int = not_supported_yet(2, "Original comlrl's MADPO step counting; only the default.",
+                                                        min=1)
+    # Critic fields of the policy stage (rl_algorithm 'maac'/'iac'): copied into MAACConfig/IACConfig by name;
+    # defaults are those configs' defaults, so leaving them unset changes nothing.
+    critic_type: str = option("v", "Policy-stage critic target, 'v' or 'q' (see ActorCriticConfig).", choices=("v", "q"))
+    critic_learning_rate: float | None = option(
+        5e-6, "Policy-stage critic learning rate (None = agent_learning_rate, as in the original comlrl).", min=0.0,
+        min_exclusive=True, kind=(int, float), optional=True)
+    critic_device: str | list | None = option(
+        None, "Placement of the policy stage's critics (see ActorCriticConfig.critic_device).", kind=(str, list),
+        optional=True, aliases=("critic_devices",))
+    use_separate_critic: bool = option(True, "IAC policy stage: separate critic models (see IACConfig).")
+    value_loss_coef: float = option(0.5, "Policy-stage weight of the critic loss (see ActorCriticConfig).", min=0.0,
+                                    min_exclusive=True)
+    value_clip_range: float | None = option(
+        None, "Policy-stage value clipping (see ActorCriticConfig; None = off).", min=0.0, min_exclusive=True,
+        kind=(int, float), optional=True)
+    critic_value_head_hidden_dim: int | None = option(
+        None, "IAC policy stage: separate critics' value-head width (see IACConfig).", min=1, kind=int, optional=True)
+    value_head_hidden_dim: int | None = option(
+        None, "IAC policy stage: shared value-head width (see IACConfig).", min=1, kind=int, optional=True)
+
+    def __post_init__(self) -> None:
+        if self.critic_learning_rate is None:
+            self.critic_learning_rate = self.agent_learning_rate
+        super().__post_init__()
+
+    def _samples_per_update(self) -> int | None:
+        per_update = super()._samples_per_update()
+        if per_update is None or self.rl_algorithm == "magrpo":
+            return per_update
+        return per_update * self.num_generations
+
+    def validate(self) -> list[str]:
+        problems = super().validate()
+        name = type(self).__name__
+        if self.pair_selection == "all" and self.max_pairs_per_prompt is not None:
+            problems.append(f"{name}.pair_selection='all' needs max_pairs_per_prompt=None, "
+                            f"got {self.max_pairs_per_prompt}")
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        for key, value in self.policy_overrides.items():
+            field = fields.get(key)
+            if field is None or key in ("policy_overrides",):
+                continue
+            default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            mine = getattr(self, key)
+            if mine != default and mine != value:
+                problems.append(f"{name}.{key}={mine!r} and policy_overrides[{key!r}]={value!r} disagree; give one")
+        return problems
+
+
+@dataclass
+class MARLHFIterConfig(MARLHFConfig):
+    """MARLHF over several rounds (for MARLHFIterTrainer): ``num_iterations`` and ``pool_preference_pairs``
+    are the iteration knobs; the remaining fields are the original comlrl's iterative ones (preference replay,
+    comparator policies), accepted at their defaults only: see docs/migrating.md."""
+
+    preference_replay_mode: str = not_supported_yet(
+        "current", "Original comlrl's pair replay: only 'current' (fit on the latest round's pairs; "
+        "pool_preference_pairs=True fits on every round's).")
+    preference_replay_k: int | None = not_supported_yet(None, "Original comlrl's replay window; not supported yet.")
+    preference_replay_lambda: float | None = not_supported_yet(None, "Original comlrl's replay decay; not supported yet.")
+    preference_replay_sample_size: int | None = not_supported_yet(None, "Original comlrl's replay sample size; not "
+                                                                  "supported yet.")
+    preference_replay_dir: str | None = not_supported_yet(None, "Original comlrl's replay shard folder; output_dir "
+                                                          "holds each round's pairs here.")
+    preference_scoring_reward: str = not_supported_yet("task", "Which reward labels the pairs: only 'task'.")
+    log_reward_distribution: bool = not_supported_yet(False, "Original comlrl's reward histogram logging; not supported yet.")
+    policy_checkpoint_dir: str | None = not_supported_yet(None, "Original comlrl's per-round policy snapshots; not "
+                                                          "supported yet.")
+    comparator_policy: str = not_supported_yet("current", "Original comlrl's comparator policy; not supported yet.")
+    comparator_generation_mode: str = not_supported_yet("decentralized", "Original comlrl's comparator mode; not "
+                                                        "supported yet.")
+    comparator_centralized_agent_index: int = not_supported_yet(0, "Original comlrl's comparator agent; not supported yet.")
+    comparator_model_name: str | None = not_supported_yet(None, "Original comlrl's comparator model; not supported yet.")
+    comparator_agents: list | None = not_supported_yet(None, "Original comlrl's comparator agents; not supported yet.")
+    comparator_devices: str | list | None = not_supported_yet(None, "Original comlrl's comparator placement; not "
+                                                              "supported yet.")
+    comparator_num_candidates: int | None = not_supported_yet(None, "Original comlrl's comparator samples; not "
+                                                              "supported yet.")
+    comparator_history_k: int | None = not_supported_yet(None, "Original comlrl's comparator history; not supported yet.")
+    comparator_api_url: str | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
+    comparator_api_format: str = not_supported_yet("generic", "Original comlrl's comparator API; not supported yet.")
+    comparator_api_model: str | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
+    comparator_api_max_n_per_request: int | None = not_supported_yet(None, "Original comlrl's comparator API; not "
+                                                                     "supported yet.")
+    comparator_api_timeout: float = not_supported_yet(120.0, "Original comlrl's comparator API; not supported yet.")
+    comparator_api_headers: dict | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
+    comparator_api_key: str | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
+    comparator_api_key_env: str | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
+    comparator_api_key_header: str = not_supported_yet("Authorization", "Original comlrl's comparator API; not "
+                                                       "supported yet.")
+    comparator_api_key_prefix: str = not_supported_yet("Bearer", "Original comlrl's comparator API; not supported yet.")
+    comparator_api_response_field: str = not_supported_yet("completions", "Original comlrl's comparator API; not "
+                                                           "supported yet.")
+    comparator_api_extra_body: dict | None = not_supported_yet(None, "Original comlrl's comparator API; not "
+                                                               "supported yet.")

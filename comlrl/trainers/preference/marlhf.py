@@ -93,6 +93,9 @@ class MARLHFTrainer(TrainingLoop):
         args: MARLHFConfig | None = None,
         critic_model: Any = None,
         critics: Sequence[Any] | None = None,
+        metrics_callback: Callable[..., Any] | None = None,
+        eval_logger: Callable[..., Any] | None = None,
+        eval_aggregator: Callable[..., Any] | None = None,
     ) -> None:
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
@@ -110,6 +113,7 @@ class MARLHFTrainer(TrainingLoop):
             reward_func=reward_func, reward_processor=reward_processor, formatters=formatters,
             external_transition=external_transition, train_dataset=train_dataset, eval_dataset=eval_dataset,
             callbacks=callbacks, model_config=model_config, wandb_config=wandb_config, args=config,
+            metrics_callback=metrics_callback, eval_logger=eval_logger, eval_aggregator=eval_aggregator,
             **critic_arguments(self.args, config, critic_model, critics, first_actor),
         )
         policy = self.policy_trainer
@@ -356,11 +360,16 @@ class MARLHFTrainer(TrainingLoop):
             )
 
     # ----- evaluation and export ----------------------------------------------------------------
-    def evaluate(self, dataset: Any = None, num_samples: int | None = None) -> dict[str, float]:
+    def evaluate(self, dataset: Any = None, num_samples: int | None = None, *,
+                 num_eval_samples: int | None = None) -> dict[str, float]:
         """The policy trainer's evaluation scored by the task reward (the learned reward is for
         training), plus the learned reward's mean once a reward model exists."""
         policy = self.policy_trainer
-        metrics = policy.evaluate(dataset, num_samples, reward=self.task_reward)
+        if num_eval_samples is not None:  # 1.4.3's name (the policy trainer checks a conflict)
+            metrics = policy.evaluate(dataset, num_samples, reward=self.task_reward, num_eval_samples=num_eval_samples)
+            num_samples = num_samples if num_samples is not None else num_eval_samples
+        else:
+            metrics = policy.evaluate(dataset, num_samples, reward=self.task_reward)
         metrics = {name.replace("eval/reward_mean", "eval/task_reward_mean"): value for name, value in metrics.items()}
         if self.reward_model is not None:
             learned = policy.evaluate(dataset, num_samples, reward=JointReward(self._learned_reward))

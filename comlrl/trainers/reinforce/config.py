@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from comlrl.config import option
+from comlrl.config import not_supported_yet, option
 from comlrl.trainers.config import RolloutConfig
 
 
@@ -14,7 +14,11 @@ class MAGRPOConfig(RolloutConfig):
 
     joint_mode: str = option("aligned", "How joint samples are formed: 'aligned' (index by index) or 'cross' (product).",
                              choices=("aligned", "cross"))
-    normalize_advantages: bool = option(True, "Divide group-relative advantages by the group's reward std.")
+    normalize_advantages: bool = option(True, "Divide group-relative advantages by the group's reward std.",
+                                        aliases=("advantage_normalization",))
+    advantage_mode: str = not_supported_yet(
+        "mean", "Original comlrl's baseline of the group-relative advantage: only 'mean' (reward minus the group mean) "
+        "is implemented; 'raw', 'max' and 'rloo' are not supported yet.")
     clip_epsilon: float = option(0.2, "PPO clip range of the probability ratio.", min=0.0, min_exclusive=True, max=1.0)
     policy_update_epochs: int = option(
         1, "Gradient passes over each rollout batch (>1 reuses samples off-policy); each pass is one micro-batch "
