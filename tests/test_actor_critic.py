@@ -9,7 +9,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from comlrl.algorithms.advantages import td_targets
-from comlrl.training.policy_update import policy_gradient_backward
+from comlrl.training.policy_update import backpropagate, policy_losses
 from comlrl.rollout.generation import SamplingParams, generate_completions
 from comlrl.tasks.letters import letters_reward, rows
 from comlrl.trainers import IACConfig as ReexportedIAC
@@ -354,7 +354,7 @@ def test_entropy_bonus_raises_entropy(tiny_llama):
     before = entropy()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     for _ in range(3):  # zero advantages: only the entropy term has a gradient
-        policy_gradient_backward(model, [generation], [torch.zeros(2)], 0.2, 1.0, entropy_coef=1.0)
+        backpropagate(policy_losses(model, [generation], [torch.zeros(2)], 0.2, 1.0, entropy_coef=1.0))
         optimizer.step()
         optimizer.zero_grad()
     assert entropy() > before + 1e-3

@@ -153,7 +153,7 @@ def test_behaviour_logprobs_are_deterministic_under_dropout_and_restore_the_mode
 
 def test_update_forward_runs_without_dropout():
     """With old log-probs from before the update the first pass has ratio exactly 1, so the loss is -mean(A)."""
-    from comlrl.training.policy_update import behaviour_logprobs, policy_gradient_backward
+    from comlrl.training.policy_update import backpropagate, behaviour_logprobs, policy_losses
 
     model, generation = dropout_gpt2(), hand_generation()
     model.train()
@@ -162,7 +162,7 @@ def test_update_forward_runs_without_dropout():
     grads = []
     for _ in range(2):
         model.zero_grad()
-        loss = policy_gradient_backward(model, [generation], advantages, 0.2, 1.0, old)
+        loss = backpropagate(policy_losses(model, [generation], advantages, 0.2, 1.0, old))
         assert loss == pytest.approx(-1.5, abs=1e-6)
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]))
     assert torch.equal(grads[0], grads[1])
@@ -193,6 +193,7 @@ def test_dropout_disabled_keeps_gradient_checkpointing():
 
 def test_critic_loss_runs_without_dropout():
     """The value loss compares the critic with the eval-mode values of rollout time, and is deterministic."""
+    from comlrl.training.policy_update import backpropagate
     from comlrl.trainers.actor_critic.critics import CriticInput
     from comlrl.models.value_heads import attach_value_head, sequence_values
 
@@ -208,8 +209,8 @@ def test_critic_loss_runs_without_dropout():
     model.train()
     returns = torch.tensor([[1.0], [2.0]])
     stub = SimpleNamespace(args=IACConfig())
-    losses = [ActorCriticTrainer.critic_backward(stub, model, [CriticInput(ids, mask)], returns,
-                                                 rollout_values.unsqueeze(1), 1.0) for _ in range(2)]
+    losses = [backpropagate(ActorCriticTrainer.critic_losses(stub, model, [CriticInput(ids, mask)], returns,
+                                                             rollout_values.unsqueeze(1))) for _ in range(2)]
     expected = float(((rollout_values - returns[:, 0]) ** 2).mean())
     assert losses[0] == losses[1] and losses[0] == pytest.approx(expected, rel=1e-5)
     assert model.training

@@ -93,3 +93,14 @@ def test_a_schedule_cannot_be_replanned_after_a_step():
     part.micro_step()
     with pytest.raises(RuntimeError, match="cannot be re-planned after 1 steps"):
         part.replan(4)
+
+
+def test_nothing_else_steps_an_optimizer_or_a_schedule():
+    """The README's claim: only the optimizer-step component calls optimizer.step() / scheduler.step()."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "comlrl"
+    calls = re.compile(r"\.(optimizer|scheduler|_scheduler|lr_scheduler)\.step\(|\boptimizer\.step\(|\bscheduler\.step\(")
+    found = sorted(str(path.relative_to(root)) for path in root.rglob("*.py") if calls.search(path.read_text()))
+    assert found == ["training/optimizer_step.py"], found

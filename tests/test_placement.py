@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from comlrl.parallel.memory import is_checkpointing
 from comlrl.parallel.placement import map_by_device, private_tokenizers, resolve_placement, runs_concurrently, spread_by_size
-from comlrl.training.policy_update import policy_gradient_backward
+from comlrl.training.policy_update import backpropagate, policy_losses
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
@@ -108,7 +108,7 @@ def _gradients(trainer):
     advantages = trainer.advantages(trainer.score(rollout))
     agent = trainer.agents[0]
     agent.train()
-    loss = policy_gradient_backward(agent, [rollout.turns[0].generations[0]], advantages[0], 0.2, 0.7)
+    loss = backpropagate(policy_losses(agent, [rollout.turns[0].generations[0]], advantages[0], 0.2, 0.7))
     grads = {name: p.grad.clone() for name, p in agent.named_parameters() if p.grad is not None}
     agent.zero_grad(set_to_none=True)
     return loss, grads

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -52,28 +52,27 @@ def behaviour_logprobs(model: PreTrainedModel, generations: Sequence[Generation]
         ]
 
 
-def policy_gradient_backward(
+def policy_losses(
     model: PreTrainedModel,
     generations: Sequence[Generation],
     advantages: Sequence[torch.Tensor],
     clip_epsilon: float,
     temperature: float,
     old_logprobs: Sequence[torch.Tensor] | None = None,
-    scale: float = 1.0,
     entropy_coef: float = 0.0,
-) -> float:
-    """Backpropagate the clipped policy loss over every turn's completions; returns the loss.
+) -> Iterator[torch.Tensor]:
+    """Each turn's clipped policy loss over its completions, weighted by its share of them (their sum
+    is the agent's loss), yielded one at a time so the caller's backward frees a turn's graph before
+    the next turn's forward pass (prompt lengths differ, so each turn is its own pass).
 
-    Each turn is its own forward pass (prompt lengths differ); the turns' losses are
-    averaged by completion count. When ``old_logprobs`` is None the policy has not changed
-    since sampling, so the detached current log-probabilities serve (ratio 1, same gradient)
-    and a second forward pass is saved. ``entropy_coef > 0`` subtracts that multiple of the
-    mean per-token entropy of the policy (an exploration bonus). The forward passes run with
-    dropout off (:func:`dropout_disabled`), as the behaviour log-probabilities do, so the first
-    pass's probability ratio is exactly 1.
+    When ``old_logprobs`` is None the policy has not changed since sampling, so the detached current
+    log-probabilities serve (ratio 1, same gradient) and a second forward pass is saved.
+    ``entropy_coef > 0`` subtracts that multiple of the mean per-token entropy (an exploration
+    bonus). The passes run with dropout off (:func:`dropout_disabled`), as the behaviour
+    log-probabilities do, and stay so while the caller backpropagates (a checkpointed layer
+    recomputes in the backward pass), so the first pass's probability ratio is exactly 1.
     """
     total_rows = sum(g.completion_ids.shape[0] for g in generations)
-    loss_value = 0.0
     with dropout_disabled(model):
         for turn, (generation, turn_advantages) in enumerate(zip(generations, advantages)):
             inputs = (generation.prompt_ids, generation.prompt_mask,
@@ -85,12 +84,19 @@ def policy_gradient_backward(
             else:
                 logprobs = completion_logprobs(model, *inputs, temperature)
             old = old_logprobs[turn] if old_logprobs is not None else logprobs.detach()
-            weight = generation.completion_ids.shape[0] / total_rows
             loss = clipped_policy_loss(
                 logprobs, old, turn_advantages.to(logprobs.device), generation.completion_mask, clip_epsilon
             )
             if entropy_coef > 0:
                 loss = loss - entropy_coef * entropy
-            (loss * weight * scale).backward()
-            loss_value += float(loss.detach()) * weight
-    return loss_value
+            yield loss * (generation.completion_ids.shape[0] / total_rows)
+
+
+def backpropagate(losses: Iterable[torch.Tensor], scale: float = 1.0) -> float:
+    """Where the trainers' losses are backpropagated: each in turn (its graph freed before the next is
+    built), times ``scale`` (the accumulation share); returns their unscaled sum."""
+    total = 0.0
+    for loss in losses:
+        (loss * scale).backward()
+        total += float(loss.detach())
+    return total

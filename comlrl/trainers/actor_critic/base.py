@@ -19,7 +19,7 @@ import copy
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ from comlrl.algorithms.losses import value_loss
 from comlrl.rollout.episodes import Rollout
 from comlrl.models.export import save_pretrained_models, save_value_head
 from comlrl.parallel.memory import enable_gradient_checkpointing
-from comlrl.training.policy_update import policy_gradient_backward
+from comlrl.training.policy_update import backpropagate, dropout_disabled, policy_losses
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
 from comlrl.trainers.actor_critic.critics import CriticInput
 from comlrl.trainers.base import MultiAgentTrainer, Stage
@@ -243,18 +243,16 @@ class ActorCriticTrainer(MultiAgentTrainer):
             agent.train()
             advantages = estimates.advantages[self.value_model_for_agent(index)]
             generations = [turn.generations[index] for turn in rollout.turns]
-            metrics[f"agent_{index}/policy_loss"] = policy_gradient_backward(
-                agent, generations, [advantages[:, t] for t in range(len(generations))], ON_POLICY_CLIP,
-                self.args.temperature, None, scale=components[f"agent_{index}"].loss_scale,
-                entropy_coef=self.args.entropy_coef,
-            )
+            losses = policy_losses(agent, generations, [advantages[:, t] for t in range(len(generations))],
+                                   ON_POLICY_CLIP, self.args.temperature, entropy_coef=self.args.entropy_coef)
+            metrics[f"agent_{index}/policy_loss"] = backpropagate(losses, components[f"agent_{index}"].loss_scale)
         steps: dict[str, Any] = {}
         for index, (name, model) in enumerate(zip(self.value_model_names(), self.value_models)):
             model.train()
             component = components[name]
             for _ in range(self.args.critic_update_epochs if self.critics else 1):
-                loss = self.critic_backward(model, inputs[index], estimates.returns[index], old_values[index],
-                                            component.loss_scale)
+                losses = self.critic_losses(model, inputs[index], estimates.returns[index], old_values[index])
+                loss = backpropagate(losses, self.args.value_loss_coef * component.loss_scale)
                 if self.critics:  # a separate critic: each pass is a micro-batch of its own component
                     steps[name] = component.micro_step() or steps.get(name)
             metrics[f"{name}/value_loss"] = loss
@@ -263,17 +261,12 @@ class ActorCriticTrainer(MultiAgentTrainer):
         metrics.update(self.record_steps(steps))
         return metrics
 
-    def critic_backward(
-        self, model: Any, inputs: list[CriticInput], returns: torch.Tensor, old_values: torch.Tensor, scale: float
-    ) -> float:
-        """Backpropagate one critic's (optionally clipped) MSE over every turn; returns the loss.
-
-        The critic's forward and backward passes run with dropout off, as :meth:`values` (the
-        rollout-time values the clipping refers to) runs in eval mode.
-        """
-        from comlrl.training.policy_update import dropout_disabled
-
-        total = 0.0
+    def critic_losses(
+        self, model: Any, inputs: list[CriticInput], returns: torch.Tensor, old_values: torch.Tensor
+    ) -> Iterator[torch.Tensor]:
+        """One critic's (optionally clipped) MSE per turn, over the turns (their sum is its loss), yielded one
+        at a time for the caller's backward. The forward and backward passes run with dropout off, as
+        :meth:`values` (the rollout-time values the clipping refers to) runs in eval mode."""
         num_turns = len(inputs)
         with dropout_disabled(model):  # backward too: a checkpointed layer recomputes in the same mode
             for turn, turn_input in enumerate(inputs):
@@ -282,13 +275,10 @@ class ActorCriticTrainer(MultiAgentTrainer):
                 valid = ~torch.isnan(targets)  # dropped rewards
                 if not bool(valid.any()):
                     if sharding.holds_shards(model):  # a zero backward: every rank joins the same reduce-scatters
-                        (values.sum() * 0.0).backward()
+                        yield values.sum() * 0.0
                     continue
-                loss = value_loss(values[valid], targets[valid], old_values[:, turn].to(values.device)[valid],
-                                  self.args.value_clip_range)
-                (loss * self.args.value_loss_coef * scale / num_turns).backward()
-                total += float(loss.detach()) / num_turns
-        return total
+                yield value_loss(values[valid], targets[valid], old_values[:, turn].to(values.device)[valid],
+                                 self.args.value_clip_range) / num_turns
 
     @staticmethod
     def _with_head(model: Any) -> torch.nn.Module:

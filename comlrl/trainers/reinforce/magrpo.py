@@ -16,7 +16,7 @@ import torch
 from comlrl.algorithms.advantages import agent_advantages, group_relative_advantages, tree_returns
 from comlrl.rollout.episodes import Rollout
 from comlrl.parallel.placement import devices_of
-from comlrl.training.policy_update import behaviour_logprobs, policy_gradient_backward
+from comlrl.training.policy_update import backpropagate, behaviour_logprobs, policy_losses
 from comlrl.trainers.base import MultiAgentTrainer, Stage
 from comlrl.trainers.reinforce.config import MAGRPOConfig
 
@@ -70,10 +70,8 @@ class MAGRPOTrainer(MultiAgentTrainer):
         generations = [turn.generations[agent_index] for turn in rollout.turns]
         old = behaviour_logprobs(agent, generations, self.args.temperature) if passes > 1 else None
         for _ in range(passes):
-            loss = policy_gradient_backward(
-                agent, generations, advantages, self.args.clip_epsilon,
-                self.args.temperature, old, scale=component.loss_scale,
-            )
+            losses = policy_losses(agent, generations, advantages, self.args.clip_epsilon, self.args.temperature, old)
+            loss = backpropagate(losses, component.loss_scale)
             if passes > 1:
                 metrics.update(self.record_steps({component.name: component.micro_step()}))
         metrics[f"agent_{agent_index}/loss"] = loss
