@@ -219,13 +219,6 @@ class MultiAgentTrainer(TrainingLoop):
             format_prompt(formatter, dataset[0], agent, 0)
         self.data_parallel.check_batches(len(dataset), self.args.per_device_train_batch_size)
 
-    def check_can_train(self) -> None:
-        if self.train_dataset is None:
-            raise ValueError(
-                f"{type(self).__name__} has no train_dataset: give train_dataset= to the constructor or set "
-                "trainer.train_dataset before train()"
-            )
-
     # ----- construction helpers -------------------------------------------------------------
     def new_state(self) -> TrainerState:
         return TrainerState()

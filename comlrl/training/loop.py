@@ -97,7 +97,10 @@ class TrainingLoop:
     def check_can_train(self) -> None:
         """Refuse to start (before any work) when something training needs is missing: here, the training data."""
         if getattr(self, "train_dataset", None) is None:
-            raise ValueError(f"{type(self).__name__} has no train_dataset; give one before train()")
+            raise ValueError(
+                f"{type(self).__name__} has no train_dataset: give train_dataset= to the constructor or set "
+                "trainer.train_dataset before train()"
+            )
 
     def begin_training(
         self,

@@ -46,6 +46,7 @@ from comlrl.models.reward_model import learned_reward, resolve_reward_device
 from comlrl.rollout.rewards import JointReward
 from comlrl.training.seeding import capture_rng_state, restore_rng_state
 from comlrl.training.signals import StopRequest
+from comlrl.trainers.base import resolve_num_samples
 from comlrl.trainers.preference.config import MARLHFConfig
 from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows
 from comlrl.trainers.preference.policy import critic_arguments, policy_classes, policy_config
@@ -365,11 +366,8 @@ class MARLHFTrainer(TrainingLoop):
         """The policy trainer's evaluation scored by the task reward (the learned reward is for
         training), plus the learned reward's mean once a reward model exists."""
         policy = self.policy_trainer
-        if num_eval_samples is not None:  # 1.4.3's name (the policy trainer checks a conflict)
-            metrics = policy.evaluate(dataset, num_samples, reward=self.task_reward, num_eval_samples=num_eval_samples)
-            num_samples = num_samples if num_samples is not None else num_eval_samples
-        else:
-            metrics = policy.evaluate(dataset, num_samples, reward=self.task_reward)
+        num_samples = resolve_num_samples(num_samples, num_eval_samples)  # 1.4.3's name, one check
+        metrics = policy.evaluate(dataset, num_samples, reward=self.task_reward)
         metrics = {name.replace("eval/reward_mean", "eval/task_reward_mean"): value for name, value in metrics.items()}
         if self.reward_model is not None:
             learned = policy.evaluate(dataset, num_samples, reward=JointReward(self._learned_reward))
