@@ -15,8 +15,9 @@ complete, so a crash mid-save leaves every earlier checkpoint intact. Every ``.p
 holds tensors and plain values only and is read with ``torch.load(..., weights_only=True)``.
 
 Weights and optimizer states are always full (unsharded): sharded (FSDP) models arrive here
-gathered by :func:`comlrl.parallel.sharding.gather_checkpoint` and load through :mod:`comlrl.parallel.sharding`,
-so a checkpoint does not depend on how many processes wrote or read it.
+gathered by :func:`comlrl.parallel.sharding.gather_weights`, their optimizer states gathered by
+:meth:`comlrl.training.optimizer_step.ModelOptimizer.state_dict`, and both load back through
+:mod:`comlrl.parallel.sharding`, so a checkpoint does not depend on how many processes wrote or read it.
 """
 
 from __future__ import annotations
