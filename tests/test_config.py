@@ -21,7 +21,7 @@ def test_defaults_are_valid_and_have_help():
         ("discount", 1.2, "MAGRPOConfig.discount must be <= 1.0, got 1.2"),
         ("max_new_tokens", "32", "MAGRPOConfig.max_new_tokens must be of type int, got '32'"),
         ("agent_learning_rate", float("nan"), "MAGRPOConfig.agent_learning_rate must be finite"),
-        ("num_generations", 1, "MAGRPOConfig.num_generations must be >= 2 for a group baseline, got 1"),
+        ("num_generations", 1, "MAGRPOConfig.num_generations must be >= 2 for the 'mean' group baseline, got 1"),
         ("seed", True, "MAGRPOConfig.seed must be a number, got True"),
     ],
 )

@@ -30,13 +30,17 @@ from comlrl.callbacks import TrainerCallback
 from comlrl.errors import TrainingInterrupted
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 from comlrl.trainers.preference import MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
-from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+from comlrl.trainers.reinforce import (MAGRPOConfig, MAGRPOTrainer, MAREINFORCEConfig, MAREINFORCETrainer,
+                                       MAReMaxConfig, MAReMaxTrainer, MARLOOConfig, MARLOOTrainer)
 
 TRAINERS = ("magrpo", "iac", "maac", "marlhf", "marlhf_iter")
+FAMILY = {"magrpo": (MAGRPOTrainer, MAGRPOConfig), "mareinforce": (MAREINFORCETrainer, MAREINFORCEConfig),
+          "maremax": (MAReMaxTrainer, MAReMaxConfig), "marloo": (MARLOOTrainer, MARLOOConfig)}
 PROMPTS = ["write about the cat", "write about the sun", "write about the tree", "write about the road"]
 LEARNING_RATE = 1e-3
 # The boundary each trainer's resume starts from (after it, the run still has work that depends on the state).
-RESUME_FROM = {"magrpo": 1, "iac": 1, "maac": 1, "marlhf": 2, "marlhf_iter": 4}
+RESUME_FROM = {"magrpo": 1, "iac": 1, "maac": 1, "marlhf": 2, "marlhf_iter": 4, "mareinforce": 1, "maremax": 1,
+               "marloo": 1}
 
 
 def letters_reward(completions_0, completions_1):
@@ -44,14 +48,14 @@ def letters_reward(completions_0, completions_1):
             for a, b in zip(completions_0, completions_1)]
 
 
-def build(kind: str, model: str, passes: int, accumulation: int, schedule: str, lora: bool):
+def build(kind: str, model: str, passes: int, accumulation: int, schedule: str, lora: bool, **options):
     common = dict(num_agents=2, num_generations=2, max_new_tokens=4, temperature=1.0, agent_learning_rate=LEARNING_RATE,
                   per_device_train_batch_size=1, gradient_accumulation_steps=accumulation, lr_scheduler_type=schedule,
-                  lora_rank=2 if lora else None, seed=3, disable_tqdm=True)
+                  lora_rank=2 if lora else None, seed=3, disable_tqdm=True, **options)
     data = dict(reward_func=letters_reward, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
-    if kind == "magrpo":
-        return MAGRPOTrainer(agent_model=model, args=MAGRPOConfig(policy_update_epochs=passes, num_train_epochs=2,
-                                                                  **common), **data)
+    if kind in FAMILY:
+        trainer, config = FAMILY[kind]
+        return trainer(agent_model=model, args=config(policy_update_epochs=passes, num_train_epochs=2, **common), **data)
     if kind in ("iac", "maac"):
         critic = dict(critic_learning_rate=2 * LEARNING_RATE, critic_update_epochs=passes, num_train_epochs=2)
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -117,13 +121,74 @@ def assert_no_gradient_left(trainer) -> None:
         assert not left, f"{name}: gradients left on {left[:3]}"
 
 
+# The options added after the full product above: advantage mode (the REINFORCE family), loss type and the
+# reference KL (off / as reward shaping / as a loss term). Every value of each occurs with both update-pass
+# counts, both accumulation settings and LoRA on and off, and each KL mode with every trainer family
+# (checked by test_option_cells_cover_every_pairing); 'grpo' and 'mean' are also in the full product above.
+OPTION_CELLS = [
+    # kind, passes, accumulation, schedule, lora, options
+    ("mareinforce", 1, 3, "linear", False, dict(loss_type="bnpo")),
+    ("mareinforce", 2, 1, "cosine", True, dict(reference_kl_enabled=True, reference_kl_mode="loss")),
+    ("maremax", 2, 1, "cosine", True, dict(reference_kl_enabled=True)),
+    ("maremax", 1, 3, "constant", False, dict(loss_type="dr_grpo")),
+    ("marloo", 2, 3, "constant", True, dict(loss_type="dr_grpo", reference_kl_enabled=True,
+                                            reference_kl_mode="loss")),
+    ("marloo", 1, 1, "linear", False, dict(loss_type="dapo", reference_kl_enabled=True)),
+    ("magrpo", 2, 3, "linear", True, dict(loss_type="dapo", reference_kl_enabled=True, reference_kl_mode="loss")),
+    ("magrpo", 1, 1, "cosine", False, dict(loss_type="bnpo", reference_kl_enabled=True)),
+    ("magrpo", 2, 3, "constant", True, dict(loss_type="bnpo")),
+    ("magrpo", 1, 1, "linear", True, dict(loss_type="dr_grpo")),
+    ("iac", 2, 3, "cosine", True, dict(reference_kl_enabled=True)),
+    ("iac", 1, 1, "linear", False, dict(reference_kl_enabled=True, reference_kl_mode="loss")),
+    ("maac", 1, 3, "linear", True, dict(reference_kl_enabled=True, reference_kl_mode="loss")),
+    ("maac", 2, 1, "constant", False, dict(reference_kl_enabled=True)),
+]
+ADVANTAGE_MODE = {"mareinforce": "raw", "maremax": "max", "marloo": "rloo", "magrpo": "mean"}
+
+
+def test_option_cells_cover_every_pairing():
+    def values(cell):
+        kind, passes, accumulation, _, lora, options = cell
+        family = kind in ADVANTAGE_MODE
+        kl = options.get("reference_kl_mode", "reward") if options.get("reference_kl_enabled") else "off"
+        return {"mode": ADVANTAGE_MODE.get(kind), "loss": options.get("loss_type", "grpo") if family else None,
+                "kl": kl, "passes": passes, "accumulation": accumulation, "lora": lora,
+                "family": "reinforce" if family else kind}
+
+    seen = [values(cell) for cell in OPTION_CELLS]
+    wanted = {"mode": ["raw", "max", "rloo"], "loss": ["bnpo", "dapo", "dr_grpo"], "kl": ["off", "reward", "loss"]}
+    others = {"passes": [1, 2], "accumulation": [1, 3], "lora": [False, True]}
+    missing = [(dim, value, other, choice) for dim, values_ in wanted.items() for value in values_
+               for other, choices in others.items() for choice in choices
+               if not any(s[dim] == value and s[other] == choice for s in seen)]
+    missing += [("kl", mode, "family", family) for mode in ("reward", "loss") for family in ("reinforce", "iac", "maac")
+                if not any(s["kl"] == mode and s["family"] == family for s in seen)]
+    assert not missing, missing
+
+
+def cell_id(cell) -> str:
+    kind, passes, accumulation, schedule, lora, options = cell
+    named = "-".join(f"{k.replace('reference_kl_', 'kl_')}={v}" for k, v in options.items())
+    return f"{kind}-passes{passes}-acc{accumulation}-{schedule}-{'lora' if lora else 'full'}-{named}"
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
 @pytest.mark.parametrize("accumulation", [1, 3], ids=["acc1", "acc3"])
 @pytest.mark.parametrize("passes", [1, 2], ids=["passes1", "passes2"])
 @pytest.mark.parametrize("kind", TRAINERS)
 def test_cell(kind, passes, accumulation, schedule, lora, tiny_llama, tmp_path):
-    straight = build(kind, tiny_llama, passes, accumulation, schedule, lora)
+    check_cell(kind, passes, accumulation, schedule, lora, {}, tiny_llama, tmp_path)
+
+
+@pytest.mark.parametrize("cell", OPTION_CELLS, ids=[cell_id(cell) for cell in OPTION_CELLS])
+def test_option_cell(cell, tiny_llama, tmp_path):
+    kind, passes, accumulation, schedule, lora, options = cell
+    check_cell(kind, passes, accumulation, schedule, lora, options, tiny_llama, tmp_path)
+
+
+def check_cell(kind, passes, accumulation, schedule, lora, options, tiny_llama, tmp_path):
+    straight = build(kind, tiny_llama, passes, accumulation, schedule, lora, **options)
     learning_rates = record_learning_rates(straight)
     straight.train(checkpoint_dir=tmp_path / "run", checkpoint_interval=1)
 
@@ -141,7 +206,7 @@ def test_cell(kind, passes, accumulation, schedule, lora, tiny_llama, tmp_path):
     assert_no_gradient_left(straight)
 
     # Resume from a mid-run checkpoint: the same weights, rewards and learning rates as the uninterrupted run.
-    resumed = build(kind, tiny_llama, passes, accumulation, schedule, lora)
+    resumed = build(kind, tiny_llama, passes, accumulation, schedule, lora, **options)
     resumed_rates = record_learning_rates(resumed)
     resumed.train(resume_from_checkpoint=tmp_path / "run" / f"checkpoint-{RESUME_FROM[kind]}",
                   checkpoint_dir=tmp_path / "resumed")

@@ -183,3 +183,46 @@ def normalize(values: torch.Tensor, eps: float = 1e-6, unbiased: bool = True,
     if std <= eps:
         return torch.zeros_like(values)
     return (values - values.mean()) / (std + eps)
+
+
+ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
+
+
+def baseline_advantages(
+    rewards: torch.Tensor, mode: str = "mean", normalize: bool = True, eps: float = 1e-6, unbiased: bool = True
+) -> torch.Tensor:
+    """Per-group advantages ``A = R - b`` for the REINFORCE family, ``rewards`` ``[num_groups, group_size]``.
+
+    ``mode`` picks the baseline ``b`` of each sample: ``"mean"`` the group mean (MAGRPO, exactly
+    :func:`group_relative_advantages`), ``"raw"`` none (``A = R``, MAREINFORCE), ``"max"`` the group's
+    maximum (``A = R - max R <= 0``, MAReMax), ``"rloo"`` the mean of the *other* samples of the group
+    (``A_i = R_i - mean_{j != i} R_j``, MARLOO; a sample alone in its group gets 0). With ``normalize`` the advantages are divided by the
+    group's reward std (sample std when ``unbiased``); they are never re-centred, so the modes stay
+    different estimators (re-centring would turn every mode into ``"mean"``). A group whose std is at
+    most ``eps`` is left unscaled. NaN marks a dropped sample: left out of every statistic, advantage 0.
+    """
+    if mode == "mean":
+        return group_relative_advantages(rewards, normalize=normalize, eps=eps, unbiased=unbiased)
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
+    valid = ~torch.isnan(rewards)
+    if mode == "raw":
+        baseline = torch.zeros_like(rewards)
+    elif mode == "max":
+        baseline = torch.where(valid, rewards, torch.full_like(rewards, -torch.inf)).amax(dim=1, keepdim=True)
+        baseline = baseline.expand_as(rewards)
+    elif mode == "rloo":
+        baseline = leave_one_out_mean(rewards, dim=1)
+        baseline = torch.where(torch.isnan(baseline), rewards, baseline)  # alone in its group: no baseline, A = 0
+    else:
+        raise ValueError(f"advantage_mode must be one of {list(ADVANTAGE_MODES)}, got {mode!r}")
+    advantages = torch.where(valid, rewards - baseline, torch.zeros_like(rewards))
+    if not normalize:
+        return advantages
+    kept = valid.sum(dim=1, keepdim=True)
+    filled = torch.where(valid, rewards, torch.zeros_like(rewards))
+    mean = filled.sum(dim=1, keepdim=True) / kept.clamp(min=1)
+    squares = torch.where(valid, (rewards - mean) ** 2, torch.zeros_like(rewards)).sum(dim=1, keepdim=True)
+    std = torch.sqrt(squares / (kept - 1 if unbiased else kept).clamp(min=1))
+    scale = torch.where((std > eps) & (kept >= 2), std + eps, torch.ones_like(std))
+    return advantages / scale

@@ -1,4 +1,4 @@
-"""Trainers: MAGRPO (reinforce), IAC/MAAC (actor_critic), MARLHF (preference).
+"""Trainers: the MAGRPO/REINFORCE family and centralized MAGRPO (reinforce), IAC/MAAC (actor_critic), MARLHF (preference).
 
 The names are re-exported lazily, so importing one trainer does not import the others.
 """
@@ -10,6 +10,8 @@ from typing import Any
 
 _HOMES = {
     "ActorCriticTrainerBase": "comlrl.trainers.actor_critic",
+    "CentralizedMAGRPOConfig": "comlrl.trainers.reinforce",
+    "CentralizedMAGRPOTrainer": "comlrl.trainers.reinforce",
     "JointRewardModel": "comlrl.trainers.preference",
     "IACConfig": "comlrl.trainers.actor_critic",
     "IACTrainer": "comlrl.trainers.actor_critic",
@@ -17,6 +19,12 @@ _HOMES = {
     "MAACTrainer": "comlrl.trainers.actor_critic",
     "MAGRPOConfig": "comlrl.trainers.reinforce",
     "MAGRPOTrainer": "comlrl.trainers.reinforce",
+    "MAREINFORCEConfig": "comlrl.trainers.reinforce",
+    "MAREINFORCETrainer": "comlrl.trainers.reinforce",
+    "MAReMaxConfig": "comlrl.trainers.reinforce",
+    "MAReMaxTrainer": "comlrl.trainers.reinforce",
+    "MARLOOConfig": "comlrl.trainers.reinforce",
+    "MARLOOTrainer": "comlrl.trainers.reinforce",
     "MARLHFConfig": "comlrl.trainers.preference",
     "MARLHFIterConfig": "comlrl.trainers.preference",
     "MARLHFIterTrainer": "comlrl.trainers.preference",

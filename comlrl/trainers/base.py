@@ -25,6 +25,7 @@ from comlrl.data import batches, check_dataset, epoch_order, format_prompt, reso
 from comlrl.parallel import distributed, sharding
 from comlrl.models import lora
 from comlrl.parallel.memory import device_memory_metrics, enable_gradient_checkpointing, resolve_precision
+from comlrl.training.reference import ReferencePolicy, ReferenceTerms, reference_terms
 from comlrl.parallel.placement import (AgentMap, devices_of, local_gpus, map_by_device, private_tokenizers, resolve_placement,
                               runs_concurrently)
 from comlrl.errors import NonFiniteTrainingError, TrainingInterrupted
@@ -178,6 +179,8 @@ class MultiAgentTrainer(TrainingLoop):
         concurrent = runs_concurrently(self.agent_devices)
         self.tokenizers = private_tokenizers(loaded.tokenizers) if concurrent else loaded.tokenizers
         self.agent_sources = loaded.sources
+        # Frozen reference policies of the KL penalty (None without reference_kl_enabled).
+        self.references = self.build_references(sources)
         # Per-agent generation and backward passes go through this (see comlrl.parallel.placement.AgentMap).
         self.agent_map: AgentMap = map_by_device
         self.optimizer_settings = OptimizerSettings(
@@ -322,6 +325,41 @@ class MultiAgentTrainer(TrainingLoop):
         return [self.data_parallel.shard(batch) for batch in batches(order, self.global_batch_size)]
 
     step_stages: tuple[Stage, ...] = ()
+
+    def build_references(self, sources: list[Any]) -> list[ReferencePolicy] | None:
+        """One frozen reference per agent (see :mod:`comlrl.training.reference`), built before any update,
+        so without ``reference_model`` it holds the initial weights (a resume rebuilds them the same way)."""
+        args = self.args
+        if not args.reference_kl_enabled:
+            return None
+        if self.data_parallel.fsdp is not None:
+            raise ValueError(f"{type(args).__name__}.reference_kl_enabled is not supported yet under an FSDP launch; "
+                             "use data parallelism without FSDP or LoRA")
+        given = args.reference_model
+        models = given if isinstance(given, list) else [given] * self.num_agents
+        devices = (self.resolve_devices(args.reference_devices, sources, "reference_devices")
+                   if args.reference_devices is not None else self.agent_devices)
+        load_kwargs = {"dtype": self.dtype, "trust_remote_code": args.trust_remote_code}
+        return [ReferencePolicy.for_agent(agent, model, device, load_kwargs)
+                for agent, model, device in zip(self.agents, models, devices)]
+
+    def reference(self, rollout: Rollout) -> ReferenceTerms | None:
+        """Stage: every completion's log-probabilities under its agent and its reference, and their KL
+        (None without ``reference_kl_enabled``)."""
+        if self.references is None:
+            return None
+        generations = [[turn.generations[agent] for turn in rollout.turns] for agent in range(self.num_agents)]
+        return reference_terms(self.agents, self.references, generations, self.args.temperature)
+
+    def reference_metrics(self, terms: ReferenceTerms | None) -> dict[str, float]:
+        """``reference_kl_mean`` (per completion, all agents), per agent, and the penalty ``coef x KL``."""
+        if terms is None:
+            return {}
+        mean = terms.mean_kl()
+        metrics = {"reference_kl_mean": mean, "reference_kl_penalty_mean": self.args.reference_kl_coef * mean}
+        for agent in range(self.num_agents):
+            metrics[f"agent_{agent}/reference_kl"] = terms.mean_kl(agent)
+        return metrics
 
     def rollout(self, rows: list[dict[str, Any]], row_labels: list[int] | None = None) -> Rollout:
         """Stage 1: sample every turn of the episodes starting at ``rows``."""

@@ -90,12 +90,20 @@ class RolloutConfig(ConfigBase):
         None, "Original comlrl's multi-turn early stop (a branch whose mean reward exceeds it gets no further turns). "
         "Not implemented: accepted only with num_turns=1, where it has no effect (None = off).",
         kind=(int, float), optional=True)
-    reference_kl_enabled: bool = not_supported_yet(False, "Original comlrl's KL penalty to a frozen reference model; "
-                                                   "not supported yet (False only).")
-    reference_kl_coef: float = not_supported_yet(0.1, "Original comlrl's reference-KL weight; not supported yet "
-                                                 "(only the original's default 0.1).", min=0.0)
-    reference_devices: str | list | None = not_supported_yet(
-        None, "Original comlrl's reference-model placement; not supported yet (None only).", kind=(str, list))
+    reference_kl_enabled: bool = option(
+        False, "Penalise each agent's KL divergence to a frozen reference policy (its initial weights, or "
+        "reference_model; with LoRA the base model with adapters off, no second copy).")
+    reference_kl_coef: float = option(0.1, "Weight of the reference KL (k3 estimate summed over a completion's tokens).",
+                                      min=0.0)
+    reference_kl_mode: str = option(
+        "reward", "How the KL enters: 'reward' shapes each agent's reward, r - coef * KL (as the original comlrl), or "
+        "'loss' adds coef * KL per token to the policy loss (as TRL's GRPO beta).", choices=("reward", "loss"))
+    reference_model: str | list | None = option(
+        None, "Reference policy source (hub id or directory, or one per agent); None = each agent's initial weights.",
+        kind=(str, list), optional=True)
+    reference_devices: str | list | None = option(
+        None, "Devices of the reference models (one, or one per agent); None = beside each agent.",
+        kind=(str, list), optional=True)
 
     def validate(self) -> list[str]:
         problems = []
@@ -107,6 +115,13 @@ class RolloutConfig(ConfigBase):
         placement = check_placement_format(self.device, self.num_agents, f"{name}.device")
         if placement:
             problems.append(placement)
+        if isinstance(self.reference_model, list) and len(self.reference_model) != self.num_agents:
+            problems.append(f"{name}.reference_model lists {len(self.reference_model)} models for num_agents="
+                            f"{self.num_agents}; give one per agent or a single source")
+        if self.reference_devices is not None:
+            placement = check_placement_format(self.reference_devices, self.num_agents, f"{name}.reference_devices")
+            if placement:
+                problems.append(placement)
         return problems + self._original_batching_problems()
 
     def _samples_per_update(self) -> int | None:

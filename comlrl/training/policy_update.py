@@ -8,7 +8,9 @@ from typing import Iterable, Iterator, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from comlrl.algorithms.losses import clipped_policy_loss, masked_sequence_mean, token_entropy
+from comlrl.algorithms.kl import k3_token_kl
+from comlrl.algorithms.losses import (aggregate_token_losses, clipped_token_losses, loss_normaliser,
+                                     masked_sequence_mean, token_entropy)
 from comlrl.training.logprobs import completion_logits, completion_logprobs, token_logprobs
 from comlrl.rollout.generation import Generation
 
@@ -60,19 +62,28 @@ def policy_losses(
     temperature: float,
     old_logprobs: Sequence[torch.Tensor] | None = None,
     entropy_coef: float = 0.0,
+    loss_type: str = "grpo",
+    max_completion_length: int | None = None,
+    reference_logprobs: Sequence[torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
 ) -> Iterator[torch.Tensor]:
-    """Each turn's clipped policy loss over its completions, weighted by its share of them (their sum
-    is the agent's loss), yielded one at a time so the caller's backward frees a turn's graph before
-    the next turn's forward pass (prompt lengths differ, so each turn is its own pass).
+    """Each turn's clipped policy loss over its completions, normalised over all turns' completions as
+    ``loss_type`` says (:func:`comlrl.algorithms.losses.aggregate_token_losses`: their sum is the agent's
+    loss), yielded one at a time so the caller's backward frees a turn's graph before the next turn's
+    forward pass (prompt lengths differ, so each turn is its own pass).
 
     When ``old_logprobs`` is None the policy has not changed since sampling, so the detached current
     log-probabilities serve (ratio 1, same gradient) and a second forward pass is saved.
+    ``reference_logprobs`` with ``kl_coef > 0`` adds ``kl_coef`` times the k3 estimate of the KL to the
+    reference on every token (the KL as a loss term, as TRL's GRPO ``beta``).
     ``entropy_coef > 0`` subtracts that multiple of the mean per-token entropy (an exploration
     bonus). The passes run with dropout off (:func:`dropout_disabled`), as the behaviour
     log-probabilities do, and stay so while the caller backpropagates (a checkpointed layer
     recomputes in the backward pass), so the first pass's probability ratio is exactly 1.
     """
     total_rows = sum(g.completion_ids.shape[0] for g in generations)
+    total_tokens = sum(int(g.completion_mask.sum()) for g in generations)
+    normaliser = loss_normaliser(loss_type, total_rows, total_tokens, max_completion_length)
     with dropout_disabled(model):
         for turn, (generation, turn_advantages) in enumerate(zip(generations, advantages)):
             inputs = (generation.prompt_ids, generation.prompt_mask,
@@ -84,12 +95,14 @@ def policy_losses(
             else:
                 logprobs = completion_logprobs(model, *inputs, temperature)
             old = old_logprobs[turn] if old_logprobs is not None else logprobs.detach()
-            loss = clipped_policy_loss(
-                logprobs, old, turn_advantages.to(logprobs.device), generation.completion_mask, clip_epsilon
-            )
+            per_token = clipped_token_losses(logprobs, old.to(logprobs.device),
+                                             turn_advantages.to(logprobs.device), clip_epsilon)
+            if reference_logprobs is not None and kl_coef > 0:
+                per_token = per_token + kl_coef * k3_token_kl(logprobs, reference_logprobs[turn].to(logprobs.device))
+            loss = aggregate_token_losses(per_token, generation.completion_mask, loss_type, normaliser)
             if entropy_coef > 0:
-                loss = loss - entropy_coef * entropy
-            yield loss * (generation.completion_ids.shape[0] / total_rows)
+                loss = loss - entropy_coef * entropy * (generation.completion_ids.shape[0] / total_rows)
+            yield loss
 
 
 def backpropagate(losses: Iterable[torch.Tensor], scale: float = 1.0) -> float:

@@ -5,7 +5,8 @@ turns; several independent one-turn episodes per prompt otherwise). Each stage i
 another trainer (MARLHF's policy stage) can drive it with its own reward:
 
     rollout(rows) -> score(rollout[, reward]) -> critic_inputs(rollout) -> values(inputs)
-    -> advantages(rewards, values) -> update(rollout, inputs, estimates, values)
+    -> reference(rollout) -> advantages(rewards, values, reference)
+    -> update(rollout, inputs, estimates, values, reference)
 
 Subclasses decide which models carry value heads and what each critic reads.
 
@@ -32,6 +33,7 @@ from comlrl.rollout.episodes import Rollout
 from comlrl.models.export import save_pretrained_models, save_value_head
 from comlrl.parallel.memory import enable_gradient_checkpointing
 from comlrl.training.policy_update import backpropagate, dropout_disabled, policy_losses
+from comlrl.training.reference import ReferenceTerms
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
 from comlrl.trainers.actor_critic.critics import CriticInput
 from comlrl.trainers.base import MultiAgentTrainer, Stage
@@ -47,11 +49,28 @@ class Estimates:
 
     advantages: list[torch.Tensor]
     returns: list[torch.Tensor]
+    # Per agent, when the reference KL shapes each agent's advantage (None: the value model's serve).
+    agent_advantages: list[torch.Tensor] | None = None
+
+    def for_agent(self, agent: int, value_model: int) -> torch.Tensor:
+        return self.agent_advantages[agent] if self.agent_advantages is not None else self.advantages[value_model]
 
 
 def episode_matrix(per_turn: Sequence[torch.Tensor]) -> torch.Tensor:
     """Stack per-turn tensors (``[num_nodes, num_generations]`` or ``[rows]``) into ``[num_episodes, num_turns]``."""
     return torch.stack([turn.reshape(-1).float().cpu() for turn in per_turn], dim=1)
+
+
+def finish_advantages(estimate: torch.Tensor, standardise: bool, data_parallel: Any = None) -> torch.Tensor:
+    """Dropped (NaN) samples to 0, then (``standardise``) zero mean and unit std over the global batch: every
+    process's samples when ``data_parallel`` is enabled."""
+    valid = ~torch.isnan(estimate)
+    estimate = torch.where(valid, estimate, torch.zeros_like(estimate))
+    if standardise:
+        enabled = data_parallel is not None and data_parallel.enabled
+        totals = data_parallel.all_sum(moments(estimate[valid])) if enabled else None
+        estimate[valid] = normalize(estimate[valid], totals=totals)
+    return estimate
 
 
 class ActorCriticTrainer(MultiAgentTrainer):
@@ -196,7 +215,8 @@ class ActorCriticTrainer(MultiAgentTrainer):
                                           for i in model_inputs]))
         return result
 
-    def advantages(self, rewards: list[torch.Tensor], values: list[torch.Tensor]) -> Estimates:
+    def advantages(self, rewards: list[torch.Tensor], values: list[torch.Tensor],
+                   reference: ReferenceTerms | None = None) -> Estimates:
         """Stage 4: the actors' advantages and the critic targets per value model.
 
         The critic's target is ``G = A_gae + value`` (GAE over turns; one turn: the reward).
@@ -209,24 +229,36 @@ class ActorCriticTrainer(MultiAgentTrainer):
 
         A dropped (NaN) reward makes its turn's and earlier turns' targets NaN: those samples get
         advantage 0 and are left out of the critic loss (and of the other samples' Q baselines).
+
+        With the reference KL as reward shaping (``reference_kl_mode="reward"``), each actor's advantage is
+        its value model's estimate less ``coef x KL`` of its own completion at that turn, before
+        standardising; the critics keep learning the task reward (a baseline that ignores the penalty
+        leaves the policy gradient unbiased).
         """
         from comlrl.algorithms.advantages import q_critic_advantages
 
         reward_matrix = episode_matrix(rewards)
-        advantages, returns = [], []
+        raw, returns = [], []
         for model_values in values:
             estimate = gae(reward_matrix, model_values, self.args.discount, self.args.gae_lambda)
             targets = estimate + model_values
             returns.append(targets)
             if self.args.critic_type == "q":
                 estimate = q_critic_advantages(targets, model_values, self.args.num_generations)
-            valid = ~torch.isnan(estimate)
-            estimate = torch.where(valid, estimate, torch.zeros_like(estimate))
-            if self.args.normalize_advantages:  # over the global batch: every process's samples
-                totals = self.data_parallel.all_sum(moments(estimate[valid])) if self.data_parallel.enabled else None
-                estimate[valid] = normalize(estimate[valid], totals=totals)
-            advantages.append(estimate)
-        return Estimates(advantages=advantages, returns=returns)
+            raw.append(estimate)
+        def finish(estimate: torch.Tensor) -> torch.Tensor:
+            return finish_advantages(estimate, self.args.normalize_advantages, getattr(self, "data_parallel", None))
+
+        advantages = [finish(estimate) for estimate in raw]
+        agent_advantages = None
+        if reference is not None and self.args.reference_kl_mode == "reward":
+            # Each actor's advantage less its own completions' KL penalty (the critics keep the task reward).
+            coef = self.args.reference_kl_coef
+            agent_advantages = [
+                finish(raw[self.value_model_for_agent(agent)] - coef * episode_matrix(reference.kl[agent]))
+                for agent in range(self.num_agents)
+            ]
+        return Estimates(advantages=advantages, returns=returns, agent_advantages=agent_advantages)
 
     def update(
         self,
@@ -234,6 +266,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
         inputs: list[list[CriticInput]],
         estimates: Estimates,
         old_values: list[torch.Tensor],
+        reference: ReferenceTerms | None = None,
     ) -> dict[str, float]:
         """Stage 5: actor policy-gradient and critic value-loss backward passes; each model's
         optimizer-step component steps when its accumulation window is full."""
@@ -241,10 +274,13 @@ class ActorCriticTrainer(MultiAgentTrainer):
         components = self.model_optimizers
         for index, agent in enumerate(self.agents):
             agent.train()
-            advantages = estimates.advantages[self.value_model_for_agent(index)]
+            advantages = estimates.for_agent(index, self.value_model_for_agent(index))
             generations = [turn.generations[index] for turn in rollout.turns]
+            kl_loss = reference is not None and self.args.reference_kl_mode == "loss"
             losses = policy_losses(agent, generations, [advantages[:, t] for t in range(len(generations))],
-                                   ON_POLICY_CLIP, self.args.temperature, entropy_coef=self.args.entropy_coef)
+                                   ON_POLICY_CLIP, self.args.temperature, entropy_coef=self.args.entropy_coef,
+                                   reference_logprobs=reference.reference[index] if kl_loss else None,
+                                   kl_coef=self.args.reference_kl_coef if kl_loss else 0.0)
             metrics[f"agent_{index}/policy_loss"] = backpropagate(losses, components[f"agent_{index}"].loss_scale)
         steps: dict[str, Any] = {}
         for index, (name, model) in enumerate(zip(self.value_model_names(), self.value_models)):
@@ -285,14 +321,16 @@ class ActorCriticTrainer(MultiAgentTrainer):
         """The model and its (unregistered) head as one module, for gradient clipping."""
         return torch.nn.ModuleList([model, model.value_head])
 
-    # rollout -> score -> critic_inputs -> values -> advantages -> update: run by train_step, one task each by the flows.
+    # rollout -> score -> critic_inputs -> values -> reference -> advantages -> update: run by train_step, one task each by the flows.
     step_stages = (
         Stage("rollout", ("rows",), "rollout", timing="generation_time"),
         Stage("score", ("rollout",), "rewards", timing="reward_time"),
         Stage("critic_inputs", ("rollout",), "critic_inputs", timing="update_time"),
         Stage("values", ("critic_inputs",), "values", timing="update_time"),
-        Stage("advantages", ("rewards", "values"), "estimates", timing="update_time"),
-        Stage("update", ("rollout", "critic_inputs", "estimates", "values"), "update_metrics", timing="update_time"),
+        Stage("reference", ("rollout",), "reference", timing="update_time"),
+        Stage("advantages", ("rewards", "values", "reference"), "estimates", timing="update_time"),
+        Stage("update", ("rollout", "critic_inputs", "estimates", "values", "reference"), "update_metrics",
+              timing="update_time"),
     )
 
     def step_metrics(self, values: dict[str, Any]) -> dict[str, float]:
@@ -301,6 +339,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
         metrics = dict(values["update_metrics"])
         metrics.update(self.rollout_metrics(rollout, values["rewards"]))
         metrics.update(self.critic_metrics(values["values"], values["estimates"]))
+        metrics.update(self.reference_metrics(values.get("reference")))
         metrics.update(
             step_time=step_time,
             **{name: values["timings"].get(name, 0.0) for name in ("generation_time", "reward_time", "update_time")},

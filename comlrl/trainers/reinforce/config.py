@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from comlrl.config import not_supported_yet, option
+from comlrl.algorithms.advantages import ADVANTAGE_MODES
+from comlrl.algorithms.losses import LOSS_TYPES
+from comlrl.config import option
 from comlrl.trainers.config import RolloutConfig
+
+
+NORMALIZE_HELP = ("Divide each group's advantages by the group's reward std (scaling only: advantages are never "
+                  "re-centred, so every advantage_mode stays its own estimator).")
+ADVANTAGE_MODE_HELP = ("Baseline of each sample's advantage within its group: 'mean' (MAGRPO), 'raw' (none: "
+                       "MAREINFORCE), 'max' (the group's best: MAReMax) or 'rloo' (the other samples' mean: MARLOO).")
 
 
 @dataclass
@@ -14,11 +22,11 @@ class MAGRPOConfig(RolloutConfig):
 
     joint_mode: str = option("aligned", "How joint samples are formed: 'aligned' (index by index) or 'cross' (product).",
                              choices=("aligned", "cross"))
-    normalize_advantages: bool = option(True, "Divide group-relative advantages by the group's reward std.",
-                                        aliases=("advantage_normalization",))
-    advantage_mode: str = not_supported_yet(
-        "mean", "Original comlrl's baseline of the group-relative advantage: only 'mean' (reward minus the group mean) "
-        "is implemented; 'raw', 'max' and 'rloo' are not supported yet.")
+    normalize_advantages: bool = option(True, NORMALIZE_HELP, aliases=("advantage_normalization",))
+    advantage_mode: str = option("mean", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
+    loss_type: str = option(
+        "grpo", "How token losses are averaged: 'grpo' (per completion, then over completions), 'bnpo'/'dapo' (over "
+        "all completion tokens) or 'dr_grpo' (token sum over completions x max_new_tokens).", choices=LOSS_TYPES)
     clip_epsilon: float = option(0.2, "PPO clip range of the probability ratio.", min=0.0, min_exclusive=True, max=1.0)
     policy_update_epochs: int = option(
         1, "Gradient passes over each rollout batch (>1 reuses samples off-policy); each pass is one micro-batch "
@@ -26,15 +34,40 @@ class MAGRPOConfig(RolloutConfig):
 
     def validate(self) -> list[str]:
         problems = super().validate()
-        if self.num_generations < 2:
+        if self.num_generations < 2 and self.advantage_mode != "raw":
             problems.append(
-                f"MAGRPOConfig.num_generations must be >= 2 for a group baseline, got {self.num_generations}"
+                f"{type(self).__name__}.num_generations must be >= 2 for the {self.advantage_mode!r} group baseline, "
+                f"got {self.num_generations}"
             )
         joint = self.num_generations ** self.num_agents if self.joint_mode == "cross" else self.num_generations
         if joint ** self.num_turns > 4096:
             problems.append(
-                f"MAGRPOConfig: {self.joint_mode!r} joints with num_generations={self.num_generations}, "
+                f"{type(self).__name__}: {self.joint_mode!r} joints with num_generations={self.num_generations}, "
                 f"num_agents={self.num_agents}, num_turns={self.num_turns} make {joint ** self.num_turns} "
                 "leaf samples per prompt (limit 4096); lower one of them"
             )
         return problems
+
+
+@dataclass
+class MAREINFORCEConfig(MAGRPOConfig):
+    """Multi-agent REINFORCE: the advantage is the return itself (no baseline); MAGRPO otherwise."""
+
+    advantage_mode: str = option("raw", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
+    normalize_advantages: bool = option(False, NORMALIZE_HELP, aliases=("advantage_normalization",))
+
+
+@dataclass
+class MAReMaxConfig(MAGRPOConfig):
+    """Multi-agent ReMax: the baseline is the group's best return (``A = R - max R``); MAGRPO otherwise."""
+
+    advantage_mode: str = option("max", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
+    normalize_advantages: bool = option(False, NORMALIZE_HELP, aliases=("advantage_normalization",))
+
+
+@dataclass
+class MARLOOConfig(MAGRPOConfig):
+    """Multi-agent RLOO: the baseline is the mean return of the group's other samples; MAGRPO otherwise."""
+
+    advantage_mode: str = option("rloo", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
+    normalize_advantages: bool = option(False, NORMALIZE_HELP, aliases=("advantage_normalization",))

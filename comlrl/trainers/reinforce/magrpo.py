@@ -13,12 +13,14 @@ from typing import Any
 
 import torch
 
-from comlrl.algorithms.advantages import agent_advantages, group_relative_advantages, tree_returns
+from comlrl.algorithms.advantages import agent_advantages, baseline_advantages, tree_returns
+from comlrl.algorithms.kl import kl_shaped_rewards
 from comlrl.rollout.episodes import Rollout
 from comlrl.parallel.placement import devices_of
 from comlrl.training.policy_update import backpropagate, behaviour_logprobs, policy_losses
+from comlrl.training.reference import ReferenceTerms
 from comlrl.trainers.base import MultiAgentTrainer, Stage
-from comlrl.trainers.reinforce.config import MAGRPOConfig
+from comlrl.trainers.reinforce.config import MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 
 
 class MAGRPOTrainer(MultiAgentTrainer):
@@ -26,24 +28,41 @@ class MAGRPOTrainer(MultiAgentTrainer):
     args: MAGRPOConfig
 
     # ----- stages (rollout and score: the base trainer's) ------------------------------------------------
-    def advantages(self, rewards: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Stage 3: ``[agent][turn]`` advantages aligned with each agent's generation rows."""
-        returns = tree_returns(rewards, self.args.discount)
+    def advantages(self, rewards: list[torch.Tensor], reference: ReferenceTerms | None = None) -> list[list[torch.Tensor]]:
+        """Stage 3: ``[agent][turn]`` advantages aligned with each agent's generation rows.
+
+        Returns over the rollout tree, then each group's baseline (``advantage_mode``). With the reference KL
+        as reward shaping, each agent's rewards are first less its own completion's ``coef x KL``, so the
+        agents' advantages differ by their KL terms."""
+        args = self.args
+        shaping = reference is not None and args.reference_kl_mode == "reward"
         per_agent: list[list[torch.Tensor]] = [[] for _ in range(self.num_agents)]
-        for turn_returns in returns:
-            joint = group_relative_advantages(turn_returns, normalize=self.args.normalize_advantages)
-            credited = agent_advantages(joint, self.joint_index, self.args.num_generations)
-            for agent in range(self.num_agents):
+        shared = None if shaping else tree_returns(rewards, args.discount)
+        for agent in range(self.num_agents):
+            returns = tree_returns(self.shaped_rewards(rewards, reference, agent), args.discount) if shaping else shared
+            for turn_returns in returns:
+                joint = baseline_advantages(turn_returns, args.advantage_mode, args.normalize_advantages)
+                credited = agent_advantages(joint, self.joint_index, args.num_generations)
                 per_agent[agent].append(credited[agent].reshape(-1))
         return per_agent
 
-    def update(self, rollout: Rollout, advantages: list[list[torch.Tensor]]) -> dict[str, float]:
+    def shaped_rewards(self, rewards: list[torch.Tensor], reference: ReferenceTerms, agent: int) -> list[torch.Tensor]:
+        """Joint rewards per turn less ``agent``'s KL penalty on the completion it put in each joint sample."""
+        shaped = []
+        for turn, turn_rewards in enumerate(rewards):
+            kl = reference.kl[agent][turn].float().cpu().reshape(turn_rewards.shape[0], -1)  # [nodes, generations]
+            joint_kl = kl[:, self.joint_index[:, agent]]  # [nodes, num_joint]
+            shaped.append(kl_shaped_rewards(turn_rewards, joint_kl, self.args.reference_kl_coef))
+        return shaped
+
+    def update(self, rollout: Rollout, advantages: list[list[torch.Tensor]],
+               reference: ReferenceTerms | None = None) -> dict[str, float]:
         """Stage 4: each agent's policy-gradient pass(es); its optimizer-step component steps when its
         accumulation window is full (every pass is one micro-batch)."""
         metrics: dict[str, float] = {}
 
         def backward_agent(agent_index: int) -> dict[str, float]:
-            return self.update_agent(agent_index, rollout, advantages[agent_index])
+            return self.update_agent(agent_index, rollout, advantages[agent_index], reference)
 
         if self.args.policy_update_epochs == 1:
             # Agents on different GPUs backpropagate side by side; the steps (and all-reduces) follow in order.
@@ -59,30 +78,43 @@ class MAGRPOTrainer(MultiAgentTrainer):
     def agent_update_passes(self) -> int:
         return self.args.policy_update_epochs
 
-    def update_agent(self, agent_index: int, rollout: Rollout, advantages: list[torch.Tensor]) -> dict[str, float]:
+    def update_agent(self, agent_index: int, rollout: Rollout, advantages: list[torch.Tensor],
+                     reference: ReferenceTerms | None = None) -> dict[str, float]:
         """One agent's policy-gradient backward pass(es); with several passes each is a micro-batch of its
-        optimizer-step component, and the old log-probabilities come from before the first."""
+        optimizer-step component, and the old log-probabilities come from before the first (the reference
+        stage's, when it ran)."""
+        args = self.args
         metrics: dict[str, float] = {}
         agent = self.agents[agent_index]
         component = self.model_optimizers[f"agent_{agent_index}"]
-        passes = self.args.policy_update_epochs
+        passes = args.policy_update_epochs
         agent.train()
         generations = [turn.generations[agent_index] for turn in rollout.turns]
-        old = behaviour_logprobs(agent, generations, self.args.temperature) if passes > 1 else None
+        old = None
+        if passes > 1:
+            old = reference.behaviour[agent_index] if reference is not None else behaviour_logprobs(
+                agent, generations, args.temperature)
+        kl_loss = reference is not None and args.reference_kl_mode == "loss"
         for _ in range(passes):
-            losses = policy_losses(agent, generations, advantages, self.args.clip_epsilon, self.args.temperature, old)
+            losses = policy_losses(
+                agent, generations, advantages, args.clip_epsilon, args.temperature, old,
+                loss_type=args.loss_type, max_completion_length=args.max_new_tokens,
+                reference_logprobs=reference.reference[agent_index] if kl_loss else None,
+                kl_coef=args.reference_kl_coef if kl_loss else 0.0,
+            )
             loss = backpropagate(losses, component.loss_scale)
             if passes > 1:
                 metrics.update(self.record_steps({component.name: component.micro_step()}))
         metrics[f"agent_{agent_index}/loss"] = loss
         return metrics
 
-    # rollout -> score -> advantages -> update: run by train_step, and one task each by the flows.
+    # rollout -> score -> reference -> advantages -> update: run by train_step, and one task each by the flows.
     step_stages = (
         Stage("rollout", ("rows",), "rollout", timing="generation_time"),
         Stage("score", ("rollout",), "rewards", timing="reward_time"),
-        Stage("advantages", ("rewards",), "advantages", timing="update_time"),
-        Stage("update", ("rollout", "advantages"), "update_metrics", timing="update_time"),
+        Stage("reference", ("rollout",), "reference", timing="update_time"),
+        Stage("advantages", ("rewards", "reference"), "advantages", timing="update_time"),
+        Stage("update", ("rollout", "advantages", "reference"), "update_metrics", timing="update_time"),
     )
 
     def step_metrics(self, values: dict[str, Any]) -> dict[str, float]:
@@ -90,9 +122,28 @@ class MAGRPOTrainer(MultiAgentTrainer):
         rollout = values["rollout"]
         metrics = dict(values["update_metrics"])
         metrics.update(self.rollout_metrics(rollout, values["rewards"]))
+        metrics.update(self.reference_metrics(values.get("reference")))
         metrics.update(
             step_time=step_time,
             **{name: values["timings"].get(name, 0.0) for name in ("generation_time", "reward_time", "update_time")},
             tokens_per_second=rollout.generated_tokens() / max(step_time, 1e-9),
         )
         return metrics
+
+
+class MAREINFORCETrainer(MAGRPOTrainer):
+    """MAGRPO with ``A = R`` (no baseline): :class:`MAREINFORCEConfig`'s ``advantage_mode='raw'``."""
+
+    config_class = MAREINFORCEConfig
+
+
+class MAReMaxTrainer(MAGRPOTrainer):
+    """MAGRPO with ``A = R - max R`` over the group: :class:`MAReMaxConfig`'s ``advantage_mode='max'``."""
+
+    config_class = MAReMaxConfig
+
+
+class MARLOOTrainer(MAGRPOTrainer):
+    """MAGRPO with the leave-one-out baseline ``A_i = R_i - mean_{j != i} R_j``: ``advantage_mode='rloo'``."""
+
+    config_class = MARLOOConfig
