@@ -42,7 +42,8 @@ def resolve_formatters(formatters: Formatter | Sequence[Formatter] | None, num_a
 
 
 def format_prompt(formatter: Formatter, row: Mapping[str, Any], agent: int, row_index: int | str) -> str:
-    """Apply a formatter, turning a missing field into an error that names the row and field."""
+    """Apply a formatter, turning a missing field into an error that names the row and field, and an
+    empty prompt (nothing for generation to start from) into an error that names the row."""
     try:
         prompt = formatter(row)
     except KeyError as error:
@@ -52,6 +53,9 @@ def format_prompt(formatter: Formatter, row: Mapping[str, Any], agent: int, row_
         ) from None
     if not isinstance(prompt, str):
         raise ValueError(f"the formatter of agent {agent} returned {type(prompt).__name__} for row {row_index}; it must return str")
+    if not prompt:
+        raise ValueError(f"row {row_index} gives agent {agent} an empty prompt; every prompt needs some text "
+                         f"(the row's fields: {dict(row)!r:.200})")
     return prompt
 
 

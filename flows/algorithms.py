@@ -29,6 +29,11 @@ ALGORITHMS = {
     algorithm.name: algorithm
     for algorithm in (
         Algorithm("magrpo", "comlrl.trainers.reinforce", "MAGRPOTrainer", "MAGRPOConfig"),
+        Algorithm("mareinforce", "comlrl.trainers.reinforce", "MAREINFORCETrainer", "MAREINFORCEConfig"),
+        Algorithm("maremax", "comlrl.trainers.reinforce", "MAReMaxTrainer", "MAReMaxConfig"),
+        Algorithm("marloo", "comlrl.trainers.reinforce", "MARLOOTrainer", "MARLOOConfig"),
+        Algorithm("magrpo_centralized", "comlrl.trainers.reinforce", "CentralizedMAGRPOTrainer",
+                  "CentralizedMAGRPOConfig"),
         Algorithm("iac", "comlrl.trainers.actor_critic", "IACTrainer", "IACConfig"),
         Algorithm("maac", "comlrl.trainers.actor_critic", "MAACTrainer", "MAACConfig"),
         Algorithm("marlhf", "comlrl.trainers.preference", "MARLHFTrainer", "MARLHFConfig", kind="pbrl"),

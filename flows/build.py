@@ -13,8 +13,8 @@ from flows.spec import (
     algorithm_of,
     data_path,
     model_path_or_id,
-    resolve_callable,
 )
+from flows.spec_imports import resolve_callable
 
 
 def load_dataset_source(source: str | DatasetSource | None, root: Path) -> Any:
@@ -28,7 +28,7 @@ def load_dataset_source(source: str | DatasetSource | None, root: Path) -> Any:
         return datasets.load_dataset(DATA_SUFFIXES[path.suffix], data_files={"rows": str(path)}, split="rows")
     if source.name:
         return datasets.load_dataset(source.name, source.config, split=source.split)
-    rows = resolve_callable(source.entry_point)(**source.kwargs)
+    rows = resolve_callable(source.entry_point, root)(**source.kwargs)  # the allow-list again, as at validation
     return rows if isinstance(rows, datasets.Dataset) else datasets.Dataset.from_list(list(rows))
 
 
@@ -57,12 +57,13 @@ def model_source(source: str | TinySource, root: Path, workdir: Path, tracking_u
     return resolved
 
 
-def _callables(value: str | Sequence[str] | None) -> Any:
+def _callables(value: str | Sequence[str] | None, root: Path) -> Any:
+    """The spec's import paths as callables, through the same allow-list check as validation."""
     if value is None:
         return None
     if isinstance(value, str):
-        return resolve_callable(value)
-    return [resolve_callable(path) for path in value]
+        return resolve_callable(value, root)
+    return [resolve_callable(path, root) for path in value]
 
 
 def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callbacks: Sequence[Any] = (),
@@ -78,10 +79,10 @@ def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callback
     }
     return trainer_class(
         **models,
-        reward_func=_callables(spec.reward),
-        reward_processor=_callables(spec.reward_processor),
-        formatters=_callables(spec.formatters),
-        external_transition=_callables(spec.transition),
+        reward_func=_callables(spec.reward, root),
+        reward_processor=_callables(spec.reward_processor, root),
+        formatters=_callables(spec.formatters, root),
+        external_transition=_callables(spec.transition, root),
         train_dataset=load_dataset_source(spec.dataset.train, root),
         eval_dataset=load_dataset_source(spec.dataset.eval, root),
         callbacks=list(callbacks),

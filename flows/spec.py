@@ -1,10 +1,12 @@
 """Run specifications: one YAML file describing a training run, validated before anything loads.
 
-A spec is data only: it is read with ``yaml.safe_load`` (no tags that build Python objects),
-and the only code it can name is by explicit import path (``package.module:function``) for
-rewards, formatters, transitions and dataset entry points. :func:`load_spec` checks the
-whole file and raises :class:`SpecError` listing every problem with its path in the file
-(``config.num_generations``, ``dataset.train.path`` ...), before any model loads.
+A spec is data: it is read with PyYAML's safe loader (no tags that build Python objects; duplicate
+keys and oversized alias expansions are errors, :mod:`flows.spec_yaml`), and the only code it can
+name is by import path (``package.module:function``) for rewards, formatters, transitions and
+dataset entry points, each checked against the allow-list of :mod:`flows.spec_imports` before
+anything is imported. :func:`load_spec` checks the whole file and raises :class:`SpecError` listing
+every problem with its path in the file (``config.num_generations``, ``dataset.train.path`` ...),
+before any model loads.
 
 Example (``flows/specs/letters.yaml`` is the bundled demo)::
 
@@ -23,25 +25,28 @@ Example (``flows/specs/letters.yaml`` is the bundled demo)::
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import re
 from pathlib import Path
-from typing import Any, Callable, Literal, Union
+from typing import Any, Literal, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from flows.algorithms import ALGORITHMS, Algorithm
+from flows.spec_imports import IMPORT_PATH, resolve_callable
+from flows.spec_yaml import MAX_SPEC_BYTES, SpecYAMLError, read_spec_yaml
 
-IMPORT_PATH = r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$"
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 # Constructor arguments a spec may not set: they come from other sections.
 MANAGED_ARGUMENTS = {"self", "args", "reward_func", "reward_processor", "formatters", "external_transition",
                      "train_dataset", "eval_dataset", "callbacks", "num_agents", "tokenizer", "wandb_config",
                      "model_config"}
+# What the models section may set, of the arguments a trainer takes.
+MODEL_ARGUMENTS = {"agent_model", "agents", "critic_model", "critics"}
+DTYPES = ("float32", "float16", "bfloat16")  # torch names, as transformers' from_pretrained(dtype=...) reads them
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 class SpecError(ValueError):
@@ -139,7 +144,7 @@ class ExecutionSpec(Strict):
         return self
 
 
-ImportPath = str  # checked by resolve_callable, so every bad path is reported with its location
+ImportPath = str  # checked by flows.spec_imports.resolve_callable, so every bad path is reported with its location
 
 
 class RunSpec(Strict):
@@ -166,24 +171,6 @@ def _where(location: tuple[Any, ...]) -> str:
     # pydantic adds union-branch names ("str", "TinySource", "list[...]") to locations; drop them.
     parts = [str(part) for part in location if not re.match(r"^(str|int|none|TinySource|DatasetSource|list\[.*\]|function-.*)$", str(part))]
     return ".".join(parts)
-
-
-def resolve_callable(path: str) -> Callable:
-    """Import ``package.module:function``; the only way a spec names code."""
-    if not isinstance(path, str) or not re.match(IMPORT_PATH, path):
-        raise ValueError(f"{path!r} is not an import path of the form package.module:function")
-    module_name, _, attribute = path.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"cannot import module {module_name!r}: {error}") from None
-    for part in attribute.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"module {module_name!r} has no attribute {attribute!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ValueError(f"{path} is a {type(target).__name__}, not a callable")
-    return target
 
 
 def data_path(value: str, root: Path) -> Path:
@@ -231,6 +218,62 @@ def spec_hash(spec: RunSpec) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
+def _source_name(source: ModelSource) -> str:
+    return source if isinstance(source, str) else "tiny:" + json.dumps(source.model_dump(), sort_keys=True)
+
+
+def _unbuilt(trainer_class: type) -> Any:
+    """A trainer instance whose ``__init__`` never ran: enough for the trainers' own checks that read no
+    state (model_config keys and values, critic sources), so a spec meets the library's rules, in the
+    library's words, before anything loads."""
+    return object.__new__(trainer_class)
+
+
+def model_problems(spec: RunSpec, trainer_class: type, config: Any) -> list[tuple[str, str]]:
+    """Model sources against ``config.num_agents`` (and the critics the trainer takes), and
+    ``model_options``: known keys, allowed values."""
+    from comlrl.models import entities
+
+    problems: list[tuple[str, str]] = []
+    names = {key: [_source_name(s) for s in value] if isinstance(value, list) else _source_name(value)
+             for key, value in spec.models.items()}
+    if names.get("agent_model") or names.get("agents"):
+        try:
+            entities.resolve_model_list(names.get("agent_model"), names.get("agents"), config.num_agents)
+        except ValueError as error:
+            problems.append(("models.agents" if "agents" in names else "models",
+                             f"{error} (config.num_agents={config.num_agents})"))
+    model_trainer = trainer_class
+    if not hasattr(trainer_class, "allowed_model_config_keys") and hasattr(config, "rl_algorithm"):
+        from comlrl.trainers.preference.policy import policy_classes  # a PbRL trainer's policy trainer loads the models
+
+        model_trainer = policy_classes(config.rl_algorithm)[0]
+    elif hasattr(trainer_class, "resolve_critic_sources"):
+        try:
+            _unbuilt(trainer_class).resolve_critic_sources(names.get("critic_model"), names.get("critics"), config,
+                                                           config.num_agents)
+        except ValueError as error:
+            problems.append(("models.critics" if "critics" in names else "models", str(error)))
+    options = spec.model_options
+    known_keys = getattr(_unbuilt(model_trainer), "allowed_model_config_keys", None)
+    if known_keys is not None:
+        allowed = known_keys()
+        owner = model_trainer.__name__ + ("" if model_trainer is trainer_class else
+                                          f" (the policy trainer of {trainer_class.__name__})")
+        problems += [(f"model_options.{key}", f"{owner} takes no model option {key!r}; allowed: {sorted(allowed)}")
+                     for key in options if key not in allowed]
+    for key, choices in (("dtype", DTYPES), ("attn_implementation", ATTENTION_IMPLEMENTATIONS)):
+        if options.get(key) is not None and options[key] not in choices:
+            problems.append((f"model_options.{key}", f"{options[key]!r} is not one of {list(choices)}"))
+    check_values = getattr(_unbuilt(model_trainer), "check_model_config_values", None)
+    if check_values is not None:
+        try:
+            check_values(dict(options))
+        except ValueError as error:
+            problems.append(("model_options", str(error)))
+    return problems
+
+
 def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
     problems: list[tuple[str, str]] = []
     algorithm = ALGORITHMS.get(spec.algorithm)
@@ -242,14 +285,16 @@ def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
             trainer_class, config_class = algorithm.load()
         except (ImportError, AttributeError) as error:
             problems.append(("algorithm", f"{spec.algorithm!r} is not available in this installation: {error}"))
-    if config_class is not None:
-        problems += config_problems(config_class, spec.config)
+    config_errors = config_problems(config_class, spec.config) if config_class is not None else []
+    problems += config_errors
     if trainer_class is not None:
-        allowed = constructor_arguments(trainer_class)
+        allowed = constructor_arguments(trainer_class) & MODEL_ARGUMENTS
         for key in spec.models:
             if key not in allowed:
                 problems.append((f"models.{key}", f"{trainer_class.__name__} takes no model argument {key!r}; "
                                                   f"allowed: {sorted(allowed)}"))
+        if not config_errors and not any(path.startswith("models.") for path, _ in problems):
+            problems += model_problems(spec, trainer_class, config_class(**spec.config))
     if not spec.models.get("agent_model") and not spec.models.get("agents"):
         problems.append(("models", "set models.agent_model (one model copied num_agents times) or models.agents (a list)"))
     for key, value in spec.models.items():
@@ -270,7 +315,7 @@ def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
             if source.path:
                 data_path(source.path, root)
             elif source.entry_point:
-                resolve_callable(source.entry_point)
+                resolve_callable(source.entry_point, root)
         except ValueError as error:
             problems.append((where if source.path else f"dataset.{split}.entry_point", str(error)))
     for field in ("reward", "reward_processor", "formatters", "transition"):
@@ -280,7 +325,7 @@ def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
                 continue
             where = field + (f"[{index}]" if isinstance(value, list) else "")
             try:
-                resolve_callable(path)
+                resolve_callable(path, root)
             except ValueError as error:
                 problems.append((where, str(error)))
     return problems
@@ -333,10 +378,14 @@ def load_spec(path: str | Path, root: str | Path | None = None) -> RunSpec:
     path = Path(path)
     if not path.is_file():
         raise SpecError(str(path), [("", "file not found")])
+    if path.stat().st_size > MAX_SPEC_BYTES:
+        raise SpecError(str(path), [("", f"the file has {path.stat().st_size} bytes; a run spec is at most {MAX_SPEC_BYTES}")])
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise SpecError(str(path), [("", f"not valid YAML: {error}")]) from None
+        data = read_spec_yaml(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise SpecError(str(path), [("", f"not UTF-8 text: {error}")]) from None
+    except SpecYAMLError as error:
+        raise SpecError(str(path), error.problems) from None
     return parse_spec(data, str(path), root if root is not None else Path.cwd())
 
 

@@ -90,6 +90,10 @@ def encode_prompts(
         add_special_tokens=False,
     )
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    empty = (mask.sum(dim=1) == 0).nonzero().flatten().tolist()
+    if empty:  # nothing to generate from (all empty: a reshape error deep in the model)
+        raise ValueError(f"prompts {empty} of this batch (of {len(prompts)}) encode to no tokens; every prompt needs "
+                         "at least one token")
     if max_prompt_length is not None and ids.shape[1] > max_prompt_length:
         lengths = mask.sum(dim=1)
         too_long = (lengths > max_prompt_length).nonzero().flatten().tolist()

@@ -171,8 +171,9 @@ class JointReward:
         if isinstance(values, (int, float)) and not isinstance(values, bool):
             return [values]
         if isinstance(values, (str, bytes, dict)) or not isinstance(values, (list, tuple)):
-            raise ValueError(f"reward function {name} must return a number or a list of numbers, got "
-                             f"{type(values).__name__}: {values!r:.80}")
+            kind = type(values).__name__  # a str is refused whole, never read as a list of characters
+            raise ValueError(f"reward function {name} returned a {kind} ({values!r:.80}): it must return a number "
+                             f"or a list of numbers, got {kind}")
         return list(values)
 
     def __call__(self, completions: list[list[str]], batch_items: list[Any]) -> torch.Tensor:
