@@ -170,3 +170,12 @@ def test_reference_model_given_by_source(tiny_llama, tiny_llama_b):
     assert terms.mean_kl() > 0  # another model's weights: not the policy
     with pytest.raises(ValueError, match="reference_model lists 3 models for num_agents=2"):
         build(tiny_llama, reference_kl_enabled=True, reference_model=[tiny_llama] * 3)
+
+
+def test_collaboration_mode_points_to_the_centralized_trainer():
+    from comlrl.trainers import CentralizedMAGRPOConfig, MAGRPOConfig
+
+    assert MAGRPOConfig().collaboration_mode == "decentralized"
+    assert CentralizedMAGRPOConfig().collaboration_mode == "centralized"
+    with pytest.raises(ValueError, match="collaboration_mode='centralized'.*CentralizedMAGRPOConfig"):
+        MAGRPOConfig(collaboration_mode="centralized")

@@ -85,11 +85,11 @@ def test_not_supported_yet_accepts_default_and_refuses_others(cls, name, default
         cls(**{name: refused})
 
 
-def test_early_termination_threshold_only_without_effect():
+def test_early_termination_threshold_is_accepted_with_any_number_of_turns():
     assert MAGRPOConfig(early_termination_threshold=-0.2).early_termination_threshold == -0.2  # one turn: no effect
-    assert MAGRPOConfig(num_turns=2).early_termination_threshold is None
-    with pytest.raises(ValueError, match="early_termination_threshold=-0.2 is not supported yet"):
-        MAGRPOConfig(num_turns=2, early_termination_threshold=-0.2)
+    assert MAGRPOConfig(num_turns=2).early_termination_threshold is None  # off unless set (docs/migrating.md)
+    assert MAGRPOConfig(num_turns=2, early_termination_threshold=-0.2).early_termination_threshold == -0.2
+    assert IACConfig(num_turns=2, early_termination_threshold=0.5).early_termination_threshold == 0.5
 
 
 def test_rollout_buffer_and_train_batch_size_only_when_equivalent():

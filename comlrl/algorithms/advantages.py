@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 
@@ -64,12 +66,16 @@ def agent_advantages(joint_advantages: torch.Tensor, index: torch.Tensor, num_ge
     return out / counts.clamp(min=1)
 
 
-def tree_returns(rewards_per_turn: list[torch.Tensor], discount: float) -> list[torch.Tensor]:
+def tree_returns(rewards_per_turn: list[torch.Tensor], discount: float,
+                 parents: Sequence[Sequence[int] | None] | None = None) -> list[torch.Tensor]:
     """Discounted returns over a rollout tree.
 
-    ``rewards_per_turn[t]`` is ``[num_nodes_t, num_joint]``; joint sample ``j`` of node ``n``
-    at turn ``t`` spawns node ``n * num_joint + j`` at turn ``t + 1``. The return of a joint
-    sample is its reward plus ``discount`` times the mean return of its child node's samples.
+    ``rewards_per_turn[t]`` is ``[num_nodes_t, num_joint]``. Joint sample ``j`` of node ``n`` at turn
+    ``t`` has flat index ``n * num_joint + j``; ``parents[t + 1][k]`` is the flat index of the turn-``t``
+    sample that spawned node ``k`` of turn ``t + 1`` (``None``, or no ``parents``: every sample spawned
+    one node, in order). The return of a joint sample is its reward plus ``discount`` times the mean
+    return of its child node's samples; a sample that spawned no node (early termination) ended its
+    episode, so its return is its reward.
 
     NaN marks a dropped sample (``invalid_reward="drop"``). The child mean is taken over the
     kept children only; a sample whose children were all dropped has an unknown future, so its
@@ -78,8 +84,14 @@ def tree_returns(rewards_per_turn: list[torch.Tensor], discount: float) -> list[
     returns = [rewards.clone() for rewards in rewards_per_turn]
     for turn in range(len(returns) - 2, -1, -1):
         nodes, joints = returns[turn].shape
-        child_means = returns[turn + 1].nanmean(dim=1).reshape(nodes, joints)  # NaN when every child was dropped
-        returns[turn] = returns[turn] + discount * child_means
+        child_means = returns[turn + 1].nanmean(dim=1)  # per child node; NaN when every child was dropped
+        spawned_by = parents[turn + 1] if parents is not None else None
+        if spawned_by is None:
+            future = child_means
+        else:
+            future = torch.zeros(nodes * joints, dtype=child_means.dtype)
+            future[torch.as_tensor(list(spawned_by), dtype=torch.long)] = child_means
+        returns[turn] = returns[turn] + discount * future.reshape(nodes, joints)
     return returns
 
 

@@ -7,6 +7,11 @@ turn, each from its own seeded ``torch.Generator``, so agents may sample side by
 more turns, each joint sample ``j`` of node ``n`` spawns node ``n * num_joint + j``, whose
 prompts come from the ``external_transition``. With ``num_generations=1`` this is a chain,
 which is what the actor-critic trainers use.
+
+Early termination (``early_termination_threshold``): each turn but the last is scored as soon as it is
+generated, and a node whose joint samples' mean reward exceeds the threshold spawns no node at the
+next turn (as comlrl 1.4.3 decides it); its samples' episodes end there. Each node then records the
+joint sample that spawned it (:attr:`Turn.parents`), and the scores are kept for :func:`score_rollout`.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class RolloutSpec:
     passthrough: bool = False
     max_prompt_length: int | None = None
     prompt_overflow: str = "truncate"
+    early_termination_threshold: float | None = None
 
     @classmethod
     def from_config(cls, args: Any, formatters: Sequence[Formatter], transition: Callable | None) -> "RolloutSpec":
@@ -53,6 +59,7 @@ class RolloutSpec:
             passthrough=args.external_prompt_passthrough,
             max_prompt_length=args.max_prompt_length,
             prompt_overflow=args.prompt_overflow,
+            early_termination_threshold=getattr(args, "early_termination_threshold", None),
         )
 
     def replace(self, **changes: Any) -> "RolloutSpec":
@@ -73,6 +80,9 @@ class Turn:
     generations: list[Generation]
     prompt_history: list[list[list[str]]]
     response_history: list[list[list[str]]]
+    # Per node, the flat index (node * num_joint + j) of the previous turn's joint sample that spawned it;
+    # None: every joint sample spawned one node, in order (no early termination).
+    parents: list[int] | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -84,6 +94,24 @@ class Rollout:
     rows: list[dict[str, Any]]
     turns: list[Turn]
     joint_index: torch.Tensor
+    # Rewards computed while rolling out (early termination), by turn, and the reward that computed them.
+    scores: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    scored_by: Any = None
+
+    def parents(self) -> list[list[int] | None]:
+        """Per turn, :attr:`Turn.parents` (what :func:`comlrl.algorithms.advantages.tree_returns` reads)."""
+        return [turn.parents for turn in self.turns]
+
+    def episode_rows(self) -> list[torch.Tensor] | None:
+        """Per turn, the episode of each generation row (an episode is a row of the first turn), for chains
+        (one joint sample per node after the first turn); None when every episode ran every turn."""
+        if all(turn.parents is None for turn in self.turns):
+            return None
+        rows = [torch.arange(self.turns[0].num_nodes * self.num_joint)]
+        for turn in self.turns[1:]:
+            parents = torch.tensor(turn.parents if turn.parents is not None else range(turn.num_nodes), dtype=torch.long)
+            rows.append(rows[-1][parents])
+        return rows
 
     @property
     def num_joint(self) -> int:
@@ -174,31 +202,46 @@ def rollout_episodes(
     rows: list[dict[str, Any]],
     row_labels: Sequence[int | str] | None = None,
     agent_map: AgentMap = map_by_device,
+    reward: JointReward | None = None,
 ) -> Rollout:
-    """Generate every turn of the episodes that start from ``rows``; ``agent_map`` spreads the agents' generation."""
+    """Generate every turn of the episodes that start from ``rows``; ``agent_map`` spreads the agents' generation.
+    With ``spec.early_termination_threshold`` and several turns, ``reward`` scores each turn to decide which
+    nodes go on."""
     formatters, num_generations, sampling = spec.formatters, spec.num_generations, spec.sampling
     max_prompt_length, prompt_overflow = spec.max_prompt_length, spec.prompt_overflow
     transition, passthrough, joint_index = spec.transition, spec.passthrough, spec.joint_index
     if spec.num_turns > 1 and transition is None:
         raise ValueError(f"num_turns={spec.num_turns} needs an external_transition to produce the next turn's prompts")
+    threshold = spec.early_termination_threshold if spec.num_turns > 1 else None
+    if threshold is not None and reward is None:
+        raise ValueError("early_termination_threshold needs the reward while rolling out: pass reward=")
     num_agents = len(agents)
     labels = list(row_labels) if row_labels is not None else list(range(len(rows)))
     prompts = [[format_prompt(formatters[a], row, a, labels[r]) for r, row in enumerate(rows)] for a in range(num_agents)]
     node_rows = list(range(len(rows)))
     prompt_history = [[[prompts[a][n]] for a in range(num_agents)] for n in node_rows]
     response_history: list[list[list[str]]] = [[[] for _ in range(num_agents)] for _ in node_rows]
-    rollout = Rollout(rows=rows, turns=[], joint_index=joint_index)
+    rollout = Rollout(rows=rows, turns=[], joint_index=joint_index, scored_by=reward if threshold is not None else None)
+    parents: list[int] | None = None
     for turn_number in range(spec.num_turns):
         generations = _generate_turn(
             agents, tokenizers, prompts, num_generations, sampling, max_prompt_length, prompt_overflow, agent_map
         )
-        turn = Turn(node_rows, prompts, generations, prompt_history, response_history)
+        turn = Turn(node_rows, prompts, generations, prompt_history, response_history, parents)
         rollout.turns.append(turn)
         if turn_number == spec.num_turns - 1:
             break
+        going_on = list(range(turn.num_nodes))
+        if threshold is not None:
+            scores = _score_turn(rollout, turn_number, reward)
+            rollout.scores[turn_number] = scores
+            going_on = [node for node in going_on if not bool(scores[node].nanmean() > threshold)]
+            if not going_on:
+                break
         completions = rollout.joint_completions(turn_number)
         next_rows, next_prompts, next_prompt_history, next_response_history = [], [[] for _ in range(num_agents)], [], []
-        for node in range(turn.num_nodes):
+        parents = [] if threshold is not None else None
+        for node in going_on:
             for j in range(rollout.num_joint):
                 flat = node * rollout.num_joint + j
                 chosen = [completions[a][flat] for a in range(num_agents)]
@@ -209,6 +252,8 @@ def rollout_episodes(
                     formatters, passthrough, labels[row_index],
                 )
                 next_rows.append(row_index)
+                if parents is not None:
+                    parents.append(flat)
                 for a in range(num_agents):
                     next_prompts[a].append(new[a])
                 next_prompt_history.append([turn.prompt_history[node][a] + [new[a]] for a in range(num_agents)])
@@ -218,10 +263,13 @@ def rollout_episodes(
     return rollout
 
 
+def _score_turn(rollout: Rollout, turn_number: int, reward: JointReward) -> torch.Tensor:
+    values = reward(rollout.joint_completions(turn_number), rollout.joint_rows(turn_number))
+    return values.reshape(rollout.turns[turn_number].num_nodes, rollout.num_joint)
+
+
 def score_rollout(rollout: Rollout, reward: JointReward) -> list[torch.Tensor]:
-    """Joint rewards of every turn, ``[num_nodes_t, num_joint]`` each."""
-    scores = []
-    for turn_number, turn in enumerate(rollout.turns):
-        values = reward(rollout.joint_completions(turn_number), rollout.joint_rows(turn_number))
-        scores.append(values.reshape(turn.num_nodes, rollout.num_joint))
-    return scores
+    """Joint rewards of every turn, ``[num_nodes_t, num_joint]`` each (those the rollout already computed with
+    the same reward, for early termination, are reused: each sample is scored once)."""
+    return [rollout.scores[turn] if reward is rollout.scored_by and turn in rollout.scores
+            else _score_turn(rollout, turn, reward) for turn in range(len(rollout.turns))]

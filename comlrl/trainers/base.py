@@ -365,7 +365,8 @@ class MultiAgentTrainer(TrainingLoop):
         """Stage 1: sample every turn of the episodes starting at ``rows``."""
         for agent in self.agents:
             agent.eval()
-        return rollout_episodes(self.agents, self.tokenizers, self.rollout_spec, rows, row_labels, self.agent_map)
+        return rollout_episodes(self.agents, self.tokenizers, self.rollout_spec, rows, row_labels, self.agent_map,
+                                reward=self.reward)
 
     def score(self, rollout: Rollout, reward: JointReward | Callable | None = None) -> list[torch.Tensor]:
         """Stage 2: joint rewards per turn, ``[num_nodes, num_joint]`` each (``reward`` overrides the trainer's)."""
@@ -467,12 +468,12 @@ class MultiAgentTrainer(TrainingLoop):
         metrics = {"reward_mean": float(kept.mean()), "reward_std": float(kept.std(unbiased=False))}
         # Per turn, numbered from 1 (as comlrl 1.4.3 names them, one turn included): the mean reward, and
         # the expected return, the undiscounted reward sum from that turn on.
-        undiscounted = tree_returns(rewards, 1.0)
+        undiscounted = tree_returns(rewards, 1.0, rollout.parents())
         for turn, (turn_rewards, turn_returns) in enumerate(zip(rewards, undiscounted), start=1):
             metrics[f"turn_{turn}/reward_mean"] = float(turn_rewards.nanmean())
             metrics[f"turn_{turn}/expected_return"] = float(turn_returns.nanmean())
         if len(rewards) > 1:
-            metrics["return_mean"] = float(tree_returns(rewards, self.args.discount)[0].nanmean())
+            metrics["return_mean"] = float(tree_returns(rewards, self.args.discount, rollout.parents())[0].nanmean())
         for agent in range(self.num_agents):
             lengths = torch.cat([turn.generations[agent].lengths().float() for turn in rollout.turns])
             metrics[f"agent_{agent}/completion_length"] = float(lengths.mean())
@@ -487,7 +488,7 @@ class MultiAgentTrainer(TrainingLoop):
         (``agent_idx``, ``prompt``, ``completion``, ``reward``, ``returns``, ``metadata`` with
         ``turn_idx``, ``generation_idx`` and ``batch_item``). A returned value that is not a number is skipped.
         """
-        returns = tree_returns(rewards, self.args.discount)
+        returns = tree_returns(rewards, self.args.discount, rollout.parents())
         per_row: dict[int, list[CallbackSample]] = {row: [] for row in range(len(rollout.rows))}
         joint = rollout.joint_index
         for turn_number, turn in enumerate(rollout.turns):

@@ -87,8 +87,8 @@ class RolloutConfig(ConfigBase):
     eval_batch_size: int = not_supported_yet(1, "Original comlrl's evaluation batch size; only 1 is accepted so far.",
                                              min=1)
     early_termination_threshold: float | None = option(
-        None, "Original comlrl's multi-turn early stop (a branch whose mean reward exceeds it gets no further turns). "
-        "Not implemented: accepted only with num_turns=1, where it has no effect (None = off).",
+        None, "Multi-turn early stop: a node (one prompt's joint samples at a turn) whose mean reward exceeds it "
+        "spawns no further turns, and its samples' returns are their rewards (None = off; no effect with one turn).",
         kind=(int, float), optional=True)
     reference_kl_enabled: bool = option(
         False, "Penalise each agent's KL divergence to a frozen reference policy (its initial weights, or "
@@ -133,11 +133,6 @@ class RolloutConfig(ConfigBase):
     def _original_batching_problems(self) -> list[str]:
         name = type(self).__name__
         problems = []
-        if self.early_termination_threshold is not None and self.num_turns > 1:
-            problems.append(
-                f"{name}.early_termination_threshold={self.early_termination_threshold!r} is not supported yet with "
-                f"num_turns={self.num_turns}: every episode here runs all turns; set it to None"
-            )
         per_update = self._samples_per_update()
         for field in ("rollout_buffer_size", "train_batch_size"):
             value = getattr(self, field)

@@ -4,8 +4,8 @@ An episode is a chain (one completion per agent and turn, ``num_generations=1`` 
 turns; several independent one-turn episodes per prompt otherwise). Each stage is public so
 another trainer (MARLHF's policy stage) can drive it with its own reward:
 
-    rollout(rows) -> score(rollout[, reward]) -> critic_inputs(rollout) -> values(inputs)
-    -> reference(rollout) -> advantages(rewards, values, reference)
+    rollout(rows) -> score(rollout[, reward]) -> critic_inputs(rollout) -> values(inputs, rollout)
+    -> reference(rollout) -> advantages(rewards, values, reference, rollout)
     -> update(rollout, inputs, estimates, values, reference)
 
 Subclasses decide which models carry value heads and what each critic reads.
@@ -56,9 +56,27 @@ class Estimates:
         return self.agent_advantages[agent] if self.agent_advantages is not None else self.advantages[value_model]
 
 
-def episode_matrix(per_turn: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Stack per-turn tensors (``[num_nodes, num_generations]`` or ``[rows]``) into ``[num_episodes, num_turns]``."""
-    return torch.stack([turn.reshape(-1).float().cpu() for turn in per_turn], dim=1)
+def episode_matrix(per_turn: Sequence[torch.Tensor], rows: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """Per-turn tensors (``[num_nodes, num_generations]`` or ``[rows]``) as ``[num_episodes, num_turns]``.
+
+    ``rows[t]`` (:meth:`Rollout.episode_rows`) gives the episode of each of turn ``t``'s rows when early
+    termination ended some episodes: the turns an episode did not reach hold NaN."""
+    if rows is None:
+        return torch.stack([turn.reshape(-1).float().cpu() for turn in per_turn], dim=1)
+    matrix = torch.full((len(rows[0]), len(per_turn)), float("nan"))
+    for turn, (values, episodes) in enumerate(zip(per_turn, rows)):
+        matrix[episodes, turn] = values.reshape(-1).float().cpu()
+    return matrix
+
+
+def reached(rows: Sequence[torch.Tensor] | None, num_episodes: int, num_turns: int) -> torch.Tensor | None:
+    """``[num_episodes, num_turns]``: True where an episode reached the turn (None: every episode every turn)."""
+    if rows is None:
+        return None
+    mask = torch.zeros(num_episodes, num_turns, dtype=torch.bool)
+    for turn, episodes in enumerate(rows):
+        mask[episodes, turn] = True
+    return mask
 
 
 def finish_advantages(estimate: torch.Tensor, standardise: bool, data_parallel: Any = None) -> torch.Tensor:
@@ -206,17 +224,19 @@ class ActorCriticTrainer(MultiAgentTrainer):
 
     # ----- stages -------------------------------------------------------------------------------
     @torch.no_grad()
-    def values(self, inputs: list[list[CriticInput]]) -> list[torch.Tensor]:
-        """Stage 3: every critic's values at rollout time, ``[num_episodes, num_turns]`` per value model."""
+    def values(self, inputs: list[list[CriticInput]], rollout: Rollout | None = None) -> list[torch.Tensor]:
+        """Stage 3: every critic's values at rollout time, ``[num_episodes, num_turns]`` per value model (NaN at
+        turns an episode did not reach)."""
+        rows = rollout.episode_rows() if rollout is not None else None
         result = []
         for model, model_inputs in zip(self.value_models, inputs):
             model.eval()
             result.append(episode_matrix([distinct_sequence_values(model, i.input_ids, i.attention_mask)
-                                          for i in model_inputs]))
+                                          for i in model_inputs], rows))
         return result
 
     def advantages(self, rewards: list[torch.Tensor], values: list[torch.Tensor],
-                   reference: ReferenceTerms | None = None) -> Estimates:
+                   reference: ReferenceTerms | None = None, rollout: Rollout | None = None) -> Estimates:
         """Stage 4: the actors' advantages and the critic targets per value model.
 
         The critic's target is ``G = A_gae + value`` (GAE over turns; one turn: the reward).
@@ -234,14 +254,26 @@ class ActorCriticTrainer(MultiAgentTrainer):
         its value model's estimate less ``coef x KL`` of its own completion at that turn, before
         standardising; the critics keep learning the task reward (a baseline that ignores the penalty
         leaves the policy gradient unbiased).
+
+        An episode that early termination ended at turn ``t`` has ``V_{t+1} = 0`` (its return is its
+        reward from then on); its unreached turns get NaN targets and advantages (left out everywhere).
         """
         from comlrl.algorithms.advantages import q_critic_advantages
 
-        reward_matrix = episode_matrix(rewards)
+        rows = rollout.episode_rows() if rollout is not None else None
+        reward_matrix = episode_matrix(rewards, rows)
+        alive = reached(rows, reward_matrix.shape[0], reward_matrix.shape[1])
+        if alive is not None:  # an ended episode: no reward and no value after its end
+            reward_matrix = torch.where(alive, reward_matrix, torch.zeros_like(reward_matrix))
         raw, returns = [], []
         for model_values in values:
+            if alive is not None:
+                model_values = torch.where(alive, model_values, torch.zeros_like(model_values))
             estimate = gae(reward_matrix, model_values, self.args.discount, self.args.gae_lambda)
             targets = estimate + model_values
+            if alive is not None:
+                estimate = torch.where(alive, estimate, torch.full_like(estimate, float("nan")))
+                targets = torch.where(alive, targets, torch.full_like(targets, float("nan")))
             returns.append(targets)
             if self.args.critic_type == "q":
                 estimate = q_critic_advantages(targets, model_values, self.args.num_generations)
@@ -255,7 +287,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
             # Each actor's advantage less its own completions' KL penalty (the critics keep the task reward).
             coef = self.args.reference_kl_coef
             agent_advantages = [
-                finish(raw[self.value_model_for_agent(agent)] - coef * episode_matrix(reference.kl[agent]))
+                finish(raw[self.value_model_for_agent(agent)] - coef * episode_matrix(reference.kl[agent], rows))
                 for agent in range(self.num_agents)
             ]
         return Estimates(advantages=advantages, returns=returns, agent_advantages=agent_advantages)
@@ -272,12 +304,13 @@ class ActorCriticTrainer(MultiAgentTrainer):
         optimizer-step component steps when its accumulation window is full."""
         metrics: dict[str, float] = {}
         components = self.model_optimizers
+        rows = rollout.episode_rows() or [slice(None)] * len(rollout.turns)  # each turn's rows' episodes
         for index, agent in enumerate(self.agents):
             agent.train()
             advantages = estimates.for_agent(index, self.value_model_for_agent(index))
             generations = [turn.generations[index] for turn in rollout.turns]
             kl_loss = reference is not None and self.args.reference_kl_mode == "loss"
-            losses = policy_losses(agent, generations, [advantages[:, t] for t in range(len(generations))],
+            losses = policy_losses(agent, generations, [advantages[rows[t], t] for t in range(len(generations))],
                                    ON_POLICY_CLIP, self.args.temperature, entropy_coef=self.args.entropy_coef,
                                    reference_logprobs=reference.reference[index] if kl_loss else None,
                                    kl_coef=self.args.reference_kl_coef if kl_loss else 0.0)
@@ -287,7 +320,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
             model.train()
             component = components[name]
             for _ in range(self.args.critic_update_epochs if self.critics else 1):
-                losses = self.critic_losses(model, inputs[index], estimates.returns[index], old_values[index])
+                losses = self.critic_losses(model, inputs[index], estimates.returns[index], old_values[index], rows)
                 loss = backpropagate(losses, self.args.value_loss_coef * component.loss_scale)
                 if self.critics:  # a separate critic: each pass is a micro-batch of its own component
                     steps[name] = component.micro_step() or steps.get(name)
@@ -298,7 +331,8 @@ class ActorCriticTrainer(MultiAgentTrainer):
         return metrics
 
     def critic_losses(
-        self, model: Any, inputs: list[CriticInput], returns: torch.Tensor, old_values: torch.Tensor
+        self, model: Any, inputs: list[CriticInput], returns: torch.Tensor, old_values: torch.Tensor,
+        rows: Sequence[Any] | None = None,
     ) -> Iterator[torch.Tensor]:
         """One critic's (optionally clipped) MSE per turn, over the turns (their sum is its loss), yielded one
         at a time for the caller's backward. The forward and backward passes run with dropout off, as
@@ -307,13 +341,14 @@ class ActorCriticTrainer(MultiAgentTrainer):
         with dropout_disabled(model):  # backward too: a checkpointed layer recomputes in the same mode
             for turn, turn_input in enumerate(inputs):
                 values = sequence_values(model, turn_input.input_ids, turn_input.attention_mask)
-                targets = returns[:, turn].to(values.device)
+                episodes = rows[turn] if rows is not None else slice(None)  # the episodes of this turn's rows
+                targets = returns[episodes, turn].to(values.device)
                 valid = ~torch.isnan(targets)  # dropped rewards
                 if not bool(valid.any()):
                     if sharding.holds_shards(model):  # a zero backward: every rank joins the same reduce-scatters
                         yield values.sum() * 0.0
                     continue
-                yield value_loss(values[valid], targets[valid], old_values[:, turn].to(values.device)[valid],
+                yield value_loss(values[valid], targets[valid], old_values[episodes, turn].to(values.device)[valid],
                                  self.args.value_clip_range) / num_turns
 
     @staticmethod
@@ -326,9 +361,9 @@ class ActorCriticTrainer(MultiAgentTrainer):
         Stage("rollout", ("rows",), "rollout", timing="generation_time"),
         Stage("score", ("rollout",), "rewards", timing="reward_time"),
         Stage("critic_inputs", ("rollout",), "critic_inputs", timing="update_time"),
-        Stage("values", ("critic_inputs",), "values", timing="update_time"),
+        Stage("values", ("critic_inputs", "rollout"), "values", timing="update_time"),
         Stage("reference", ("rollout",), "reference", timing="update_time"),
-        Stage("advantages", ("rewards", "values", "reference"), "estimates", timing="update_time"),
+        Stage("advantages", ("rewards", "values", "reference", "rollout"), "estimates", timing="update_time"),
         Stage("update", ("rollout", "critic_inputs", "estimates", "values", "reference"), "update_metrics",
               timing="update_time"),
     )
@@ -352,7 +387,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
         """Per value model: mean value, and mean absolute error to its target (how well it predicts)."""
         metrics = {}
         for name, model_values, returns in zip(self.value_model_names(), values, estimates.returns):
-            metrics[f"{name}/value_mean"] = float(model_values.mean())
+            metrics[f"{name}/value_mean"] = float(model_values.nanmean())
             metrics[f"{name}/value_error"] = float((returns - model_values).abs().nanmean())
         return metrics
 

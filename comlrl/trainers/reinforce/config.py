@@ -27,6 +27,9 @@ class MAGRPOConfig(RolloutConfig):
     loss_type: str = option(
         "grpo", "How token losses are averaged: 'grpo' (per completion, then over completions), 'bnpo'/'dapo' (over "
         "all completion tokens) or 'dr_grpo' (token sum over completions x max_new_tokens).", choices=LOSS_TYPES)
+    collaboration_mode: str = option(
+        "decentralized", "comlrl 1.4.3's switch: 'decentralized' (one model per agent) here; for one model writing "
+        "every role use CentralizedMAGRPOConfig/CentralizedMAGRPOTrainer.", choices=("decentralized", "centralized"))
     clip_epsilon: float = option(0.2, "PPO clip range of the probability ratio.", min=0.0, min_exclusive=True, max=1.0)
     policy_update_epochs: int = option(
         1, "Gradient passes over each rollout batch (>1 reuses samples off-policy); each pass is one micro-batch "
@@ -34,6 +37,10 @@ class MAGRPOConfig(RolloutConfig):
 
     def validate(self) -> list[str]:
         problems = super().validate()
+        if self.collaboration_mode == "centralized" and not isinstance(self, _centralized_config()):
+            problems.append(f"{type(self).__name__}.collaboration_mode='centralized': one model writing every role is "
+                            "CentralizedMAGRPOConfig with CentralizedMAGRPOTrainer (run specs: algorithm: "
+                            "magrpo_centralized)")
         if self.num_generations < 2 and self.advantage_mode != "raw":
             problems.append(
                 f"{type(self).__name__}.num_generations must be >= 2 for the {self.advantage_mode!r} group baseline, "
@@ -71,3 +78,9 @@ class MARLOOConfig(MAGRPOConfig):
 
     advantage_mode: str = option("rloo", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
     normalize_advantages: bool = option(False, NORMALIZE_HELP, aliases=("advantage_normalization",))
+
+
+def _centralized_config() -> type:
+    from comlrl.trainers.reinforce.centralized_config import CentralizedMAGRPOConfig
+
+    return CentralizedMAGRPOConfig

@@ -28,18 +28,22 @@ class MAGRPOTrainer(MultiAgentTrainer):
     args: MAGRPOConfig
 
     # ----- stages (rollout and score: the base trainer's) ------------------------------------------------
-    def advantages(self, rewards: list[torch.Tensor], reference: ReferenceTerms | None = None) -> list[list[torch.Tensor]]:
+    def advantages(self, rewards: list[torch.Tensor], reference: ReferenceTerms | None = None,
+                   rollout: Rollout | None = None) -> list[list[torch.Tensor]]:
         """Stage 3: ``[agent][turn]`` advantages aligned with each agent's generation rows.
 
-        Returns over the rollout tree, then each group's baseline (``advantage_mode``). With the reference KL
+        Returns over the rollout tree (``rollout`` gives its shape when early termination pruned it), then
+        each group's baseline (``advantage_mode``). With the reference KL
         as reward shaping, each agent's rewards are first less its own completion's ``coef x KL``, so the
         agents' advantages differ by their KL terms."""
         args = self.args
         shaping = reference is not None and args.reference_kl_mode == "reward"
         per_agent: list[list[torch.Tensor]] = [[] for _ in range(self.num_agents)]
-        shared = None if shaping else tree_returns(rewards, args.discount)
+        parents = rollout.parents() if rollout is not None else None
+        shared = None if shaping else tree_returns(rewards, args.discount, parents)
         for agent in range(self.num_agents):
-            returns = tree_returns(self.shaped_rewards(rewards, reference, agent), args.discount) if shaping else shared
+            returns = tree_returns(self.shaped_rewards(rewards, reference, agent), args.discount, parents) if shaping \
+                else shared
             for turn_returns in returns:
                 joint = baseline_advantages(turn_returns, args.advantage_mode, args.normalize_advantages)
                 credited = agent_advantages(joint, self.joint_index, args.num_generations)
@@ -113,7 +117,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
         Stage("rollout", ("rows",), "rollout", timing="generation_time"),
         Stage("score", ("rollout",), "rewards", timing="reward_time"),
         Stage("reference", ("rollout",), "reference", timing="update_time"),
-        Stage("advantages", ("rewards", "reference"), "advantages", timing="update_time"),
+        Stage("advantages", ("rewards", "reference", "rollout"), "advantages", timing="update_time"),
         Stage("update", ("rollout", "advantages", "reference"), "update_metrics", timing="update_time"),
     )
 
