@@ -25,6 +25,9 @@ ORIGINAL_IMPORTS = {
                                      "resolve_tokenizers"],
     "comlrl.utils.model_loading": ["infer_model_name", "resolve_model_sources"],
     "comlrl.utils.distributed": ["DistributedContext", "local_context", "unwrap_model"],
+    "comlrl.utils.reference_kl": ["reference_kl_enabled", "reference_kl_coef", "validate_reference_kl_config",
+                                  "resolve_reference_devices", "clone_reference_models",
+                                  "load_reference_models_from_sources", "reference_kl_for_sequence"],
 }
 
 
@@ -399,3 +402,45 @@ def test_local_context_and_unwrap_model():
     assert utils.unwrap_model(module) is module
     assert utils.unwrap_model(torch.nn.DataParallel(module)) is module
     assert utils.unwrap_model(SimpleNamespace(module="inner")) == "inner"
+
+
+# ----- reference KL helpers -------------------------------------------------------------------
+def test_reference_kl_settings_helpers():
+    assert utils.reference_kl_enabled(SimpleNamespace()) is False and utils.reference_kl_coef(SimpleNamespace()) == 0.1
+    args = SimpleNamespace(reference_kl_enabled=True, reference_kl_coef=0.3, reference_devices=["cpu", "cpu"])
+    assert utils.reference_kl_enabled(args) and utils.reference_kl_coef(args) == 0.3
+    utils.validate_reference_kl_config(args, 2)
+    with pytest.raises(ValueError, match="reference_devices lists 2 devices"):
+        utils.validate_reference_kl_config(args, 3)
+    with pytest.raises(ValueError, match="reference_kl_coef must be >= 0"):
+        utils.validate_reference_kl_config(SimpleNamespace(reference_kl_coef=-1.0), 2)
+    assert utils.resolve_reference_devices(args, [torch.device("meta")] * 2, 2) == [torch.device("cpu")] * 2
+    assert utils.resolve_reference_devices(SimpleNamespace(), [torch.device("cpu")], 1) == [torch.device("cpu")]
+    assert utils.resolve_reference_devices(SimpleNamespace(reference_devices="cpu"), [], 3) == [torch.device("cpu")] * 3
+
+
+def test_reference_kl_for_sequence_is_zero_for_a_clone_and_k3_otherwise(tmp_path):
+    from comlrl.algorithms.kl import k3_token_kl
+    from comlrl.utils import reference_kl
+
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(tiny_llama_config(build_tiny_tokenizer()))
+    policy.train()
+    reference = utils.clone_reference_models([policy], devices=[torch.device("cpu")])[0]
+    assert reference is not policy and not any(p.requires_grad for p in reference.parameters())
+    sequences = torch.randint(3, 96, (2, 9))
+    mask = torch.ones_like(sequences)
+    assert utils.reference_kl_for_sequence(policy, reference, sequences, mask, 5, 4).tolist() == [0.0, 0.0]
+    assert policy.training  # its mode is restored
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    kl = utils.reference_kl_for_sequence(policy, reference, sequences, mask, 5, 4)
+    policy_lp = reference_kl.response_token_logprobs(policy.eval(), sequences, mask, 5, 4)
+    reference_lp = reference_kl.response_token_logprobs(reference, sequences, mask, 5, 4)
+    assert policy_lp.shape == (2, 4)
+    assert torch.allclose(kl, k3_token_kl(policy_lp, reference_lp).sum(dim=-1).detach(), atol=1e-6)
+    assert (kl > 0).all()
+    policy.save_pretrained(tmp_path / "saved")
+    loaded = utils.load_reference_models_from_sources([str(tmp_path / "saved")], devices=[torch.device("cpu")])[0]
+    assert utils.reference_kl_for_sequence(policy, loaded, sequences, mask, 5, 4).abs().max() < 1e-5

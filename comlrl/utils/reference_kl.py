@@ -1,0 +1,112 @@
+"""The original comlrl's reference-KL helper names (``comlrl.utils.reference_kl``), over this package's own
+homes: :mod:`comlrl.training.reference` (reference policies) and :mod:`comlrl.algorithms.kl` (the k3 estimator).
+
+The trainers use those homes directly (``reference_kl_enabled`` on any config); these functions are for
+code written against comlrl 1.4.3's helpers.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from comlrl.algorithms.kl import k3_token_kl
+from comlrl.parallel.placement import check_placement_format
+from comlrl.utils.distributed import unwrap_model
+
+
+def reference_kl_enabled(args: Any) -> bool:
+    """Whether ``args`` asks for the reference-KL penalty (False when it has no such field)."""
+    return bool(getattr(args, "reference_kl_enabled", False))
+
+
+def reference_kl_coef(args: Any) -> float:
+    """The penalty's weight (0.1 when ``args`` has no such field)."""
+    return float(getattr(args, "reference_kl_coef", 0.1))
+
+
+def validate_reference_kl_config(args: Any, expected_count: int) -> None:
+    """``ValueError`` for a negative coefficient, or (when enabled) ``reference_devices`` that do not fit
+    ``expected_count`` models (one device, or a list with one per model)."""
+    if reference_kl_coef(args) < 0:
+        raise ValueError(f"reference_kl_coef must be >= 0, got {reference_kl_coef(args)}")
+    devices = getattr(args, "reference_devices", None)
+    if reference_kl_enabled(args) and devices is not None:
+        problem = check_placement_format(devices, expected_count, "reference_devices")
+        if problem:
+            raise ValueError(problem)
+
+
+def resolve_reference_devices(args: Any, fallback_devices: Sequence[torch.device],
+                              expected_count: int) -> list[torch.device]:
+    """One device per reference model: ``args.reference_devices`` (one for all, or one each), else the fallbacks."""
+    devices = getattr(args, "reference_devices", None)
+    if devices is None:
+        return list(fallback_devices)
+    problem = check_placement_format(devices, expected_count, "reference_devices")
+    if problem:
+        raise ValueError(problem)
+    listed = devices if isinstance(devices, (list, tuple)) else [devices] * expected_count
+    return [torch.device(device) for device in listed]
+
+
+def _frozen(model: Any, device: torch.device) -> Any:
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def clone_reference_models(policy_models: Sequence[Any], *, devices: Sequence[torch.device]) -> list[Any]:
+    """A frozen copy of each policy model (its weights now), on the matching device."""
+    return [_frozen(copy.deepcopy(unwrap_model(model)), device) for model, device in zip(policy_models, devices)]
+
+
+def load_reference_models_from_sources(model_sources: Sequence[str], *, devices: Sequence[torch.device],
+                                       model_kwargs: Mapping[str, Any] | None = None) -> list[Any]:
+    """Each source (hub id or directory) loaded with ``from_pretrained(**model_kwargs)``, frozen, on its device."""
+    return [_frozen(AutoModelForCausalLM.from_pretrained(source, **dict(model_kwargs or {})), device)
+            for source, device in zip(model_sources, devices)]
+
+
+def response_token_logprobs(model: Any, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                            prompt_len: int, response_len: int) -> torch.Tensor:
+    """Log-probability of each response token of ``sequences`` (prompt then response, ``[batch, length]``):
+    ``[batch, response_len]``, the tokens at positions ``prompt_len .. prompt_len + response_len - 1``."""
+    logits = unwrap_model(model)(input_ids=sequences, attention_mask=attention_mask).logits
+    log_probs = torch.log_softmax(logits[:, :-1, :].float(), dim=-1)
+    token_log_probs = log_probs.gather(-1, sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
+    start = max(int(prompt_len) - 1, 0)
+    return token_log_probs[:, start:start + int(response_len)]
+
+
+def reference_kl_for_sequence(policy_model: Any, reference_model: Any, sequences: torch.Tensor,
+                              attention_mask: torch.Tensor, prompt_len: int, response_len: int) -> torch.Tensor:
+    """The k3 estimate of KL(policy || reference) summed over each sequence's response tokens, ``[batch]``
+    (CPU, no graph); both models run in eval mode, their modes restored."""
+    modes = [(module, module.training) for module in (unwrap_model(policy_model), unwrap_model(reference_model))]
+    try:
+        for module, _ in modes:
+            module.eval()
+        with torch.no_grad():
+            policy = response_token_logprobs(policy_model, sequences.to(_device(policy_model)),
+                                             attention_mask.to(_device(policy_model)), prompt_len, response_len)
+            reference = response_token_logprobs(reference_model, sequences.to(_device(reference_model)),
+                                                attention_mask.to(_device(reference_model)), prompt_len, response_len)
+            per_token = k3_token_kl(policy.to(reference.device), reference)
+    finally:
+        for module, mode in modes:
+            module.train(mode)
+    return per_token.sum(dim=-1).detach().cpu()
+
+
+def _device(model: Any) -> torch.device:
+    return next(unwrap_model(model).parameters()).device
+
+
+__all__ = ["reference_kl_enabled", "reference_kl_coef", "validate_reference_kl_config", "resolve_reference_devices",
+           "clone_reference_models", "load_reference_models_from_sources", "response_token_logprobs",
+           "reference_kl_for_sequence"]
