@@ -37,6 +37,8 @@ ALGORITHMS = {
         Algorithm("iac", "comlrl.trainers.actor_critic", "IACTrainer", "IACConfig"),
         Algorithm("maac", "comlrl.trainers.actor_critic", "MAACTrainer", "MAACConfig"),
         Algorithm("marlhf", "comlrl.trainers.preference", "MARLHFTrainer", "MARLHFConfig", kind="pbrl"),
-        Algorithm("marlhf_iter", "comlrl.trainers.preference", "MARLHFIterTrainer", "MARLHFConfig", kind="pbrl"),
+        Algorithm("marlhf_iter", "comlrl.trainers.preference", "MARLHFIterTrainer", "MARLHFIterConfig", kind="pbrl"),
+        Algorithm("madpo", "comlrl.trainers.preference", "MADPOTrainer", "MADPOConfig"),
+        Algorithm("madpo_iter", "comlrl.trainers.preference", "MADPOIterTrainer", "MADPOIterConfig", kind="pbrl"),
     )
 }

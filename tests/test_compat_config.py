@@ -64,17 +64,10 @@ NOT_SUPPORTED = [
     (MAGRPOConfig, "eval_batch_size", 1, 4),
     (IACConfig, "eval_batch_size", 1, 2),
     (MARLHFConfig, "collaboration_mode", "decentralized", "centralized"),
-    (MARLHFConfig, "pair_selection", "reward_gap", "random"),
     (MARLHFConfig, "dpo_beta", 0.1, 0.2),
     (MARLHFConfig, "use_environment_step", True, False),
     (MARLHFConfig, "environment_steps_per_pair", 2, 3),
-    (MARLHFIterConfig, "pair_selection", "reward_gap", "comparator_reward"),
-    (MARLHFIterConfig, "preference_replay_mode", "current", "all_history"),
     (MARLHFIterConfig, "preference_scoring_reward", "task", "reward_model"),
-    (MARLHFIterConfig, "comparator_policy", "current", "model"),
-    (MARLHFIterConfig, "comparator_api_url", None, "http://localhost:1"),
-    (MARLHFIterConfig, "comparator_api_timeout", 120.0, 30.0),
-    (MARLHFIterConfig, "policy_checkpoint_dir", None, "ckpt"),
 ]
 
 

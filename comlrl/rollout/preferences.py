@@ -1,39 +1,93 @@
-"""Preference pairs: labelling joint samples by task reward, and storing them as Parquet.
+"""Preference pairs: building them from scored joint candidates, selecting them, storing them as Parquet.
 
 A pair compares two joint responses (one completion per agent) to the same prompt; the one
 with the higher task reward is ``chosen``. Pairs whose rewards differ by no more than the
-tie margin are dropped. Pairs live in a ``datasets.Dataset`` with the columns of
-:data:`PAIR_COLUMNS`, written to ``pairs.parquet`` so a run is inspectable and resumable.
+tie margin are dropped. Candidates come from one side (the policy's own samples, compared
+among themselves) or two (the policy against a comparator: only pairs across the sides).
+Pairs live in a ``datasets.Dataset`` with the columns of :data:`PAIR_COLUMNS`, written to
+``pairs.parquet`` so a run is inspectable and resumable; each agent's prompt and token IDs
+travel with the texts, so a DPO step trains on exactly the tokens that were sampled.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from datasets import Dataset, concatenate_datasets
 
-PAIR_COLUMNS = ("iteration", "row_index", "prompt", "chosen", "rejected", "chosen_reward", "rejected_reward")
+from comlrl.rollout.generation import Generation, encode_prompts
+
+PAIR_COLUMNS = ("iteration", "row_index", "prompt", "agent_prompts", "chosen", "rejected", "chosen_ids",
+                "rejected_ids", "chosen_reward", "rejected_reward", "chosen_source", "rejected_source")
+SIDES = ("policy", "comparator")
+PAIR_SELECTIONS = ("reward_gap", "random", "all", "comparator_reward")
+
+
+@dataclass(frozen=True)
+class CandidatePair:
+    """Candidate ``chosen`` beats candidate ``rejected`` by ``margin`` (> the tie margin)."""
+
+    chosen: int
+    rejected: int
+    margin: float
+
+
+def ordered_pairs(rewards: Sequence[float] | torch.Tensor, tie_margin: float = 0.0,
+                  sides: Sequence[int] | None = None) -> list[CandidatePair]:
+    """Every ordered pair ``(i, j)`` with ``r_i - r_j > tie_margin``, in index order.
+
+    With ``sides`` (one label per candidate) only pairs across two sides qualify: the policy's
+    candidates against a comparator's, never two of the same side.
+    """
+    values = rewards.tolist() if isinstance(rewards, torch.Tensor) else [float(r) for r in rewards]
+    if sides is not None and len(sides) != len(values):
+        raise ValueError(f"{len(sides)} side labels for {len(values)} candidates")
+    return [CandidatePair(i, j, values[i] - values[j])
+            for i in range(len(values)) for j in range(len(values))
+            if values[i] - values[j] > tie_margin and (sides is None or sides[i] != sides[j])]
+
+
+def select_pairs(pairs: Sequence[CandidatePair], mode: str = "reward_gap", max_pairs: int | None = None,
+                 generator: torch.Generator | None = None, rewards: Sequence[float] | None = None,
+                 sides: Sequence[int] | None = None) -> list[CandidatePair]:
+    """The pairs of one prompt that are kept, at most ``max_pairs``.
+
+    ``reward_gap``: widest margin first (ties in margin by index); ``random``: a uniform draw from
+    ``generator``; ``all``: every pair in index order (``max_pairs`` must be None);
+    ``comparator_reward``: pairs whose comparator-side candidate (side 1, or the rejected one
+    without sides) scored highest first, then widest margin, which needs ``rewards``.
+    """
+    if mode not in PAIR_SELECTIONS:
+        raise ValueError(f"pair selection must be one of {list(PAIR_SELECTIONS)}, got {mode!r}")
+    if mode == "all":
+        if max_pairs is not None:
+            raise ValueError(f"pair selection 'all' keeps every pair; got max_pairs={max_pairs} (give None)")
+        return list(pairs)
+    if mode == "random":
+        order = torch.randperm(len(pairs), generator=generator).tolist() if pairs else []
+        chosen = [pairs[i] for i in order]
+    elif mode == "comparator_reward":
+        if rewards is None:
+            raise ValueError("pair selection 'comparator_reward' needs the candidates' rewards")
+
+        def comparator_side(pair: CandidatePair) -> int:
+            if sides is not None and sides[pair.chosen] == 1:
+                return pair.chosen
+            return pair.rejected
+
+        chosen = sorted(pairs, key=lambda p: (-float(rewards[comparator_side(p)]), -p.margin, p.chosen, p.rejected))
+    else:
+        chosen = sorted(pairs, key=lambda p: (-p.margin, p.chosen, p.rejected))
+    return chosen if max_pairs is None else chosen[:max_pairs]
 
 
 def ranked_pairs(rewards: torch.Tensor, tie_margin: float = 0.0, max_pairs: int | None = None) -> list[tuple[int, int]]:
-    """``(chosen, rejected)`` index pairs among one group's rewards, widest margin first.
-
-    Every pair with ``r_chosen - r_rejected > tie_margin`` qualifies; ``max_pairs`` keeps the
-    widest ones (ties in margin broken by index, so the result is deterministic).
-    """
-    values = rewards.tolist()
-    candidates = []
-    for i in range(len(values)):
-        for j in range(len(values)):
-            margin = values[i] - values[j]
-            if margin > tie_margin:
-                candidates.append((-margin, i, j))
-    candidates.sort()
-    if max_pairs is not None:
-        candidates = candidates[:max_pairs]
-    return [(i, j) for _, i, j in candidates]
+    """``(chosen, rejected)`` index pairs among one group's rewards, widest margin first (``reward_gap``)."""
+    kept = select_pairs(ordered_pairs(rewards, tie_margin), "reward_gap", max_pairs)
+    return [(pair.chosen, pair.rejected) for pair in kept]
 
 
 def agent_tag(index: int) -> str:
@@ -58,38 +112,73 @@ def joint_input_text(prompt: str, completions: Sequence[str]) -> str:
     return "".join(joint_input_sections(prompt, completions))
 
 
-def label_pairs(
-    prompts: Sequence[str],
-    row_indices: Sequence[int],
-    joint_completions: Sequence[Sequence[str]],
-    rewards: torch.Tensor,
-    iteration: int,
-    tie_margin: float = 0.0,
-    max_pairs_per_prompt: int | None = None,
-) -> list[dict[str, Any]]:
-    """Pairs from scored joint samples.
+@dataclass
+class Candidates:
+    """The joint candidates of one prompt: per candidate, every agent's completion (text and token IDs),
+    the joint reward and the side it came from (0 the policy, 1 a comparator)."""
 
-    ``joint_completions[agent][node * num_joint + j]`` (as from ``Rollout.joint_completions``)
-    and ``rewards`` of shape ``[num_nodes, num_joint]``; one node per prompt.
-    """
-    num_nodes, num_joint = rewards.shape
-    num_agents = len(joint_completions)
-    records = []
-    for node in range(num_nodes):
-        for chosen, rejected in ranked_pairs(rewards[node], tie_margin, max_pairs_per_prompt):
-            flat_chosen, flat_rejected = node * num_joint + chosen, node * num_joint + rejected
-            records.append(
-                {
-                    "iteration": iteration,
-                    "row_index": int(row_indices[node]),
-                    "prompt": prompts[node],
-                    "chosen": [joint_completions[a][flat_chosen] for a in range(num_agents)],
-                    "rejected": [joint_completions[a][flat_rejected] for a in range(num_agents)],
-                    "chosen_reward": float(rewards[node, chosen]),
-                    "rejected_reward": float(rewards[node, rejected]),
-                }
-            )
-    return records
+    texts: list[list[str]]
+    token_ids: list[list[list[int]]]
+    rewards: list[float]
+    sides: list[int]
+
+    def extend(self, other: "Candidates") -> "Candidates":
+        return Candidates(self.texts + other.texts, self.token_ids + other.token_ids,
+                          self.rewards + other.rewards, self.sides + other.sides)
+
+
+def pair_records(candidates: Candidates, pairs: Sequence[CandidatePair], *, iteration: int, row_index: int,
+                 prompt: str, agent_prompts: Sequence[str]) -> list[dict[str, Any]]:
+    """One record (a row of :data:`PAIR_COLUMNS`) per pair of one prompt's candidates."""
+    return [
+        {
+            "iteration": iteration,
+            "row_index": int(row_index),
+            "prompt": prompt,
+            "agent_prompts": list(agent_prompts),
+            "chosen": list(candidates.texts[pair.chosen]),
+            "rejected": list(candidates.texts[pair.rejected]),
+            "chosen_ids": [list(ids) for ids in candidates.token_ids[pair.chosen]],
+            "rejected_ids": [list(ids) for ids in candidates.token_ids[pair.rejected]],
+            "chosen_reward": float(candidates.rewards[pair.chosen]),
+            "rejected_reward": float(candidates.rewards[pair.rejected]),
+            "chosen_source": SIDES[candidates.sides[pair.chosen]],
+            "rejected_source": SIDES[candidates.sides[pair.rejected]],
+        }
+        for pair in pairs
+    ]
+
+
+def generation_rows(generation: Generation, rows: Sequence[int]) -> Generation:
+    """The given rows of a generation (for a DPO step: the chosen rows, then the rejected ones)."""
+    index = torch.tensor(list(rows), dtype=torch.long, device=generation.completion_ids.device)
+    return Generation(
+        prompt_ids=generation.prompt_ids.index_select(0, index.to(generation.prompt_ids.device)),
+        prompt_mask=generation.prompt_mask.index_select(0, index.to(generation.prompt_mask.device)),
+        completion_ids=generation.completion_ids.index_select(0, index),
+        completion_mask=generation.completion_mask.index_select(0, index.to(generation.completion_mask.device)),
+        texts=[generation.texts[i] for i in rows],
+        num_generations=1,
+    )
+
+
+def pair_generation(tokenizer: Any, prompts: Sequence[str], chosen_ids: Sequence[Sequence[int]],
+                    rejected_ids: Sequence[Sequence[int]], device: torch.device, max_prompt_length: int | None = None,
+                    prompt_overflow: str = "truncate") -> Generation:
+    """One agent's side of a batch of stored pairs as a :class:`Generation`: rows ``0..P-1`` the chosen
+    completions, ``P..2P-1`` the rejected ones, each after its prompt (encoded as sampling encodes it)."""
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, list(prompts) * 2, device, max_prompt_length, prompt_overflow)
+    completions = [list(ids) for ids in chosen_ids] + [list(ids) for ids in rejected_ids]
+    width = max([len(ids) for ids in completions] + [1])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    completion_ids = torch.full((len(completions), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(completions), width), dtype=torch.long)
+    for row, ids in enumerate(completions):
+        completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        mask[row, :len(ids)] = 1
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    return Generation(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids.to(device),
+                      completion_mask=mask.to(device), texts=texts, num_generations=1)
 
 
 def pairs_dataset(records: list[dict[str, Any]]) -> Dataset:

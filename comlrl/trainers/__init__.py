@@ -1,4 +1,4 @@
-"""Trainers: the MAGRPO/REINFORCE family and centralized MAGRPO (reinforce), IAC/MAAC (actor_critic), MARLHF (preference).
+"""Trainers: the MAGRPO/REINFORCE family and centralized MAGRPO (reinforce), IAC/MAAC (actor_critic), MARLHF and MADPO (preference).
 
 The names are re-exported lazily, so importing one trainer does not import the others.
 """
@@ -25,6 +25,10 @@ _HOMES = {
     "MAReMaxTrainer": "comlrl.trainers.reinforce",
     "MARLOOConfig": "comlrl.trainers.reinforce",
     "MARLOOTrainer": "comlrl.trainers.reinforce",
+    "MADPOConfig": "comlrl.trainers.preference",
+    "MADPOIterConfig": "comlrl.trainers.preference",
+    "MADPOIterTrainer": "comlrl.trainers.preference",
+    "MADPOTrainer": "comlrl.trainers.preference",
     "MARLHFConfig": "comlrl.trainers.preference",
     "MARLHFIterConfig": "comlrl.trainers.preference",
     "MARLHFIterTrainer": "comlrl.trainers.preference",

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from comlrl.config import not_supported_yet, option
+from comlrl.rollout.preferences import PAIR_SELECTIONS
+from comlrl.trainers.preference.iterative_config import IterativeOptions, iterative_problems, normalise_values
 from comlrl.trainers.reinforce.config import MAGRPOConfig
 
 RL_ALGORITHMS = ("magrpo", "maac", "iac")
@@ -63,9 +65,9 @@ class MARLHFConfig(MAGRPOConfig):
     # Fields of the original comlrl 1.4.3, accepted so its configs construct (docs/migrating.md).
     pair_selection: str = option(
         "reward_gap", "Which pairs of a prompt are kept: 'reward_gap' (widest margin first, at most "
-        "max_pairs_per_prompt) or 'all' (needs max_pairs_per_prompt=None); the original's 'random' and "
-        "'comparator_reward' are not supported yet.", choices=("reward_gap", "all", "random", "comparator_reward"),
-        supported=("reward_gap", "all"))
+        "max_pairs_per_prompt), 'random' (a seeded uniform draw), 'all' (needs max_pairs_per_prompt=None) or "
+        "'comparator_reward' (pairs whose comparator-side candidate scored highest first; without a comparator, "
+        "the rejected candidate).", choices=PAIR_SELECTIONS)
     collaboration_mode: str = not_supported_yet(
         "decentralized", "Original comlrl's collaboration mode; 'centralized' (one actor for all) is not supported yet.",
         choices=("decentralized", "centralized"))
@@ -124,48 +126,22 @@ class MARLHFConfig(MAGRPOConfig):
 
 
 @dataclass
-class MARLHFIterConfig(MARLHFConfig):
-    """MARLHF over several rounds (for MARLHFIterTrainer): ``num_iterations`` and ``pool_preference_pairs``
-    are the iteration knobs; the remaining fields are the original comlrl's iterative ones (preference replay,
-    comparator policies), accepted at their defaults only: see docs/migrating.md."""
+class MARLHFIterConfig(MARLHFConfig, IterativeOptions):
+    """MARLHF over several rounds (for MARLHFIterTrainer): ``num_iterations`` rounds of collect -> fit -> policy,
+    each comparing the policy against ``comparator_policy`` and fitting the reward model on a replay of the pair
+    shards (``preference_replay_mode``; ``pool_preference_pairs=True`` is replay mode 'all'); see
+    docs/algorithms.md, "Iterative preference training"."""
 
-    preference_replay_mode: str = not_supported_yet(
-        "current", "Original comlrl's pair replay: only 'current' (fit on the latest round's pairs; "
-        "pool_preference_pairs=True fits on every round's).")
-    preference_replay_k: int | None = not_supported_yet(None, "Original comlrl's replay window; not supported yet.")
-    preference_replay_lambda: float | None = not_supported_yet(None, "Original comlrl's replay decay; not supported yet.")
-    preference_replay_sample_size: int | None = not_supported_yet(None, "Original comlrl's replay sample size; not "
-                                                                  "supported yet.")
-    preference_replay_dir: str | None = not_supported_yet(None, "Original comlrl's replay shard folder; output_dir "
-                                                          "holds each round's pairs here.")
-    preference_scoring_reward: str = not_supported_yet("task", "Which reward labels the pairs: only 'task'.")
-    log_reward_distribution: bool = not_supported_yet(False, "Original comlrl's reward histogram logging; not supported yet.")
-    policy_checkpoint_dir: str | None = not_supported_yet(None, "Original comlrl's per-round policy snapshots; not "
-                                                          "supported yet.")
-    comparator_policy: str = not_supported_yet("current", "Original comlrl's comparator policy; not supported yet.")
-    comparator_generation_mode: str = not_supported_yet("decentralized", "Original comlrl's comparator mode; not "
-                                                        "supported yet.")
-    comparator_centralized_agent_index: int = not_supported_yet(0, "Original comlrl's comparator agent; not supported yet.")
-    comparator_model_name: str | None = not_supported_yet(None, "Original comlrl's comparator model; not supported yet.")
-    comparator_agents: list | None = not_supported_yet(None, "Original comlrl's comparator agents; not supported yet.")
-    comparator_devices: str | list | None = not_supported_yet(None, "Original comlrl's comparator placement; not "
-                                                              "supported yet.")
-    comparator_num_candidates: int | None = not_supported_yet(None, "Original comlrl's comparator samples; not "
-                                                              "supported yet.")
-    comparator_history_k: int | None = not_supported_yet(None, "Original comlrl's comparator history; not supported yet.")
-    comparator_api_url: str | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
-    comparator_api_format: str = not_supported_yet("generic", "Original comlrl's comparator API; not supported yet.")
-    comparator_api_model: str | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
-    comparator_api_max_n_per_request: int | None = not_supported_yet(None, "Original comlrl's comparator API; not "
-                                                                     "supported yet.")
-    comparator_api_timeout: float = not_supported_yet(120.0, "Original comlrl's comparator API; not supported yet.")
-    comparator_api_headers: dict | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
-    comparator_api_key: str | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
-    comparator_api_key_env: str | None = not_supported_yet(None, "Original comlrl's comparator API; not supported yet.")
-    comparator_api_key_header: str = not_supported_yet("Authorization", "Original comlrl's comparator API; not "
-                                                       "supported yet.")
-    comparator_api_key_prefix: str = not_supported_yet("Bearer", "Original comlrl's comparator API; not supported yet.")
-    comparator_api_response_field: str = not_supported_yet("completions", "Original comlrl's comparator API; not "
-                                                           "supported yet.")
-    comparator_api_extra_body: dict | None = not_supported_yet(None, "Original comlrl's comparator API; not "
-                                                               "supported yet.")
+    preference_scoring_reward: str = not_supported_yet(
+        "task", "Which reward labels the pairs: only 'task' (the original's 'reward_model' is not supported).")
+
+    def __post_init__(self) -> None:
+        normalise_values(self)
+        super().__post_init__()
+
+    def validate(self) -> list[str]:
+        problems = super().validate() + iterative_problems(self)
+        if self.pool_preference_pairs and self.preference_replay_mode not in ("none", "all"):
+            problems.append(f"{type(self).__name__}.pool_preference_pairs=True is replay mode 'all' but "
+                            f"preference_replay_mode={self.preference_replay_mode!r}; give one of them")
+        return problems

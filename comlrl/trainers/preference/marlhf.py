@@ -25,13 +25,11 @@ policy's learning-rate schedules are planned over all of them.
 
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
 from datasets import Dataset
 
 from comlrl.parallel import distributed, sharding
@@ -39,40 +37,30 @@ from comlrl.parallel import distributed, sharding
 from comlrl.models import entities
 
 from comlrl.rollout import preferences
-from comlrl.callbacks import TrainerCallback, dispatch
+from comlrl.callbacks import TrainerCallback
 from comlrl.parallel.device import resolve_device
 from comlrl.training.metrics import MetricWindow
 from comlrl.models.reward_model import learned_reward, resolve_reward_device
 from comlrl.rollout.rewards import JointReward
 from comlrl.training.seeding import capture_rng_state, restore_rng_state
-from comlrl.training.signals import StopRequest
 from comlrl.trainers.base import resolve_num_samples
+from comlrl.trainers.preference.comparators import build_comparator
 from comlrl.trainers.preference.config import MARLHFConfig
 from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows
 from comlrl.trainers.preference.policy import critic_arguments, policy_classes, policy_config
+from comlrl.trainers.preference.iterative_config import options_of
+from comlrl.trainers.preference.rounds import PbRLState, PreferenceRounds
 from comlrl.trainers.preference.stage import PreferenceStage
-from comlrl.training.loop import TrainerState, TrainingLoop
 
 logger = logging.getLogger(__name__)
 
 STAGES = ("collect_preferences", "fit_reward_model", "learn_policy")
 
 
-@dataclass
-class PbRLState(TrainerState):
-    """Progress of a preference-based run: the iteration and the next stage within it.
-
-    ``history`` is the policy trainer's per-step history (one list, tagged with the iteration)."""
-
-    iteration: int = 0
-    stage: int = 0
-    stage_records: list[dict[str, Any]] = field(default_factory=list)
-
-
-class MARLHFTrainer(TrainingLoop):
+class MARLHFTrainer(PreferenceRounds):
     config_class = MARLHFConfig
     args: MARLHFConfig
-    boundary_kind = "pbrl_stage"
+    STAGES = STAGES
     fsdp_refusal = ("the joint reward model is not sharded yet; launch with infra/accelerate/multi_gpu.yaml (DDP) "
                     "instead")
 
@@ -125,8 +113,10 @@ class MARLHFTrainer(TrainingLoop):
         self.reward_device = resolve_reward_device(
             self.args.reward_model_device, policy.device, self.args.reward_model_device_fallback
         )
-        self.preference = PreferenceStage(self.args, self.reward_model_source, self.reward_device, policy.dtype,
-                                          policy.data_parallel)
+        options = options_of(self.args)  # MARLHFIterConfig's comparator and replay options, else their defaults
+        self.comparator = build_comparator(options, policy)
+        self.preference = PreferenceStage(self.args, options, self.reward_model_source, self.reward_device,
+                                          policy.dtype, policy.data_parallel, self.comparator)
         self.state = PbRLState(history=policy.state.history)
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
         self.output_path: Path | None = Path(self.args.output_dir) if self.args.output_dir else None
@@ -156,38 +146,13 @@ class MARLHFTrainer(TrainingLoop):
                 "trainer's device with a warning"
             ) from None
 
-    @property
-    def num_iterations(self) -> int:
-        return 1
-
-    # What the preference run shares with its policy trainer: one set of agents, data and callbacks.
-    agents = property(lambda self: self.policy_trainer.agents)
-    tokenizers = property(lambda self: self.policy_trainer.tokenizers)
-    num_agents = property(lambda self: self.policy_trainer.num_agents)
-    device = property(lambda self: self.policy_trainer.device)
-    train_dataset = property(lambda self: self.policy_trainer.train_dataset)
-    eval_dataset = property(lambda self: self.policy_trainer.eval_dataset)
-    callbacks = property(lambda self: self.policy_trainer.callbacks)
-    data_parallel = property(lambda self: self.policy_trainer.data_parallel)
     reward_model = property(lambda self: self.preference.reward_model)
     pairs_by_iteration = property(lambda self: self.preference.pairs_by_iteration)
-
-    @property
-    def agent_map(self) -> Any:
-        return self.policy_trainer.agent_map
-
-    @agent_map.setter
-    def agent_map(self, agent_map: Any) -> None:
-        self.policy_trainer.agent_map = agent_map
 
     @property
     def preference_pairs(self) -> Dataset:
         """Every pair collected so far (all iterations)."""
         return preferences.pool(self.pairs_by_iteration)
-
-    def watch_stop(self, request: StopRequest) -> None:
-        super().watch_stop(request)
-        self.policy_trainer.watch_stop(request)  # the policy's steps check it
 
     def _learned_reward(self, *completions: Sequence[str], batch_items: Sequence[dict[str, Any]]) -> list[float]:
         if self.reward_model is None:
@@ -258,75 +223,7 @@ class MARLHFTrainer(TrainingLoop):
         accuracy = fits[-1].get("reward_model/heldout_accuracy") if fits else None
         return {"reward_model/heldout_accuracy": accuracy} if accuracy is not None else {}
 
-    # ----- the stage loop -----------------------------------------------------------------------
-    def begin_training(self, **checkpoint_options: Any) -> Any:
-        runner = super().begin_training(**checkpoint_options)
-        self.prepare_output_dir(resuming=runner.resume_path is not None)
-        return runner
-
-    def total_boundaries(self) -> int:
-        return len(STAGES) * self.num_iterations
-
-    def run_boundaries(self, runner: Any) -> None:
-        while self.state.boundaries < self.total_boundaries():
-            self.run_next_stage()
-            runner.on_boundary()
-        self._advance_iteration()
-
-    def run_next_stage(self) -> dict[str, float]:
-        """Run the next stage (one boundary) and count it; the pipeline runs one task per call."""
-        self._advance_iteration()
-        name = STAGES[self.state.stage]
-        metrics = getattr(self, name)()
-        self.record_stage(name, metrics)
-        self.state.stage += 1
-        self.state.boundaries += 1
-        return metrics
-
-    def _advance_iteration(self) -> None:
-        if self.state.stage == len(STAGES):
-            self.state.stage = 0
-            self.state.iteration += 1
-
-    def record_stage(self, name: str, metrics: dict[str, float]) -> None:
-        record = {"iteration": self.state.iteration, "stage": name, **metrics}
-        self.state.stage_records.append(record)
-        logger.info("iteration %d, %s: %s", self.state.iteration, name, metrics)
-        dispatch(self.callbacks, "on_log", self, {f"pbrl/{k}": v for k, v in metrics.items()}, self.state.boundaries + 1)
-        if self.output_path is not None and self.data_parallel.is_main:
-            with open(self.output_path / "history.jsonl", "a") as handle:
-                handle.write(json.dumps(record) + "\n")
-
-    def _iteration_output(self) -> Path | None:
-        if self.output_path is None:
-            return None
-        directory = self.output_path / f"iteration_{self.state.iteration}"
-        directory.mkdir(parents=True, exist_ok=True)
-        return directory
-
-    def prepare_output_dir(self, resuming: bool) -> None:
-        """Never overwrite: a resumed run writes into ``resume-N`` if the directory has files."""
-        if self.args.output_dir is None:
-            return
-        root = Path(self.args.output_dir)
-        occupied = root.is_dir() and any(root.iterdir())
-        if occupied and not resuming:
-            raise ValueError(
-                f"MARLHFConfig.output_dir {str(root)!r} already contains files; give a new directory, or resume "
-                "with train(resume_from_checkpoint=...) to write into a resume-* subdirectory"
-            )
-        if occupied:
-            number = 1
-            while (root / f"resume-{number}").exists():
-                number += 1
-            root = root / f"resume-{number}"
-        root.mkdir(parents=True, exist_ok=True)
-        self.output_path = root
-
     # ----- state --------------------------------------------------------------------------------
-    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
-        return self.policy_trainer.checkpoint_modules()
-
     def state_dict(self) -> dict[str, Any]:
         """Progress, the preference stage's pairs and reward model, the policy trainer's state, the RNGs."""
         policy = self.policy_trainer.state_dict(include_rng=False)
@@ -351,14 +248,8 @@ class MARLHFTrainer(TrainingLoop):
 
     def compat_settings(self) -> dict[str, Any]:
         return {**self.policy_trainer.compat_settings(), "rl_algorithm": self.args.rl_algorithm,
-                "reward_model_source": self.reward_model_source}
-
-    def check_resume_progress(self, saved_state: dict[str, Any]) -> None:
-        if saved_state["iteration"] > self.num_iterations:
-            raise ValueError(
-                f"the checkpoint has completed {saved_state['iteration']} iterations but num_iterations is "
-                f"{self.num_iterations}; num_iterations counts the whole run, so raise it"
-            )
+                "reward_model_source": self.reward_model_source,
+                "comparator": self.comparator.kind if self.comparator is not None else "current"}
 
     # ----- evaluation and export ----------------------------------------------------------------
     def evaluate(self, dataset: Any = None, num_samples: int | None = None, *,
@@ -374,15 +265,13 @@ class MARLHFTrainer(TrainingLoop):
             metrics["eval/learned_reward_mean"] = learned["eval/reward_mean"]
         return metrics
 
-    def save_model(self, output_dir: str | Path) -> Path:
-        return self.policy_trainer.save_model(output_dir)
-
 
 class MARLHFIterTrainer(MARLHFTrainer):
     """``num_iterations`` rounds of collect -> fit -> policy; the reward model is reloaded from
-    its source at the start of every fit, and each iteration's pairs are kept apart
-    (``pool_preference_pairs=True`` fits on all of them)."""
+    its source at the start of every fit. Each iteration's pairs are kept apart as its shard; with a
+    MARLHFIterConfig the policy is compared against ``comparator_policy`` and the fit replays the
+    shards per ``preference_replay_mode`` (``pool_preference_pairs=True``: all of them)."""
 
-    @property
-    def num_iterations(self) -> int:
-        return self.args.num_iterations
+    @classmethod
+    def iterations_of(cls, args: Any) -> int:
+        return args.num_iterations

@@ -1,0 +1,356 @@
+"""Comparators of iterative preference training: what the current policy's candidates are paired against.
+
+- ``current`` (no comparator object): the policy's candidates are compared among themselves;
+- :class:`HistoryComparator`: the policy as it was ``k`` iterations earlier, from the snapshot
+  written (in save_model's layout) at the start of every iteration;
+- :class:`ModelComparator`: other local models (one for all agents, or one per agent), frozen;
+- :class:`APIComparator`: an OpenAI-compatible HTTP endpoint (``/chat/completions`` or
+  ``/completions``), with a timeout and retries; its failures raise :class:`ComparatorAPIError`
+  naming the endpoint.
+
+Every comparator answers :meth:`sample` with each agent's completions for every prompt, as text and
+as token IDs of that agent's tokenizer (the DPO step scores them under the agent). Comparators
+that are this run's own agents (history) keep the sampled IDs; other models' and the API's texts
+are tokenized with the agent's tokenizer.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from transformers import AutoTokenizer
+
+from comlrl.data import format_prompt
+from comlrl.models import entities, lora
+from comlrl.models.export import save_pretrained_models
+from comlrl.parallel.device import resolve_device
+from comlrl.rollout.episodes import RolloutSpec, rollout_episodes
+
+logger = logging.getLogger(__name__)
+
+
+class ComparatorAPIError(RuntimeError):
+    """The comparator endpoint failed (error status, timeout, unreadable answer) after its retries."""
+
+
+@dataclass
+class ComparatorSamples:
+    """Every agent's comparator completions: ``texts[agent][node * m + k]`` and the matching token IDs."""
+
+    texts: list[list[str]]
+    token_ids: list[list[list[int]]]
+
+
+def tokenize_completions(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+
+
+def sampled_ids(generation: Any) -> list[list[int]]:
+    """The sampled token IDs of each row of a generation (up to and including its EOS)."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(generation.completion_ids.cpu(),
+                                                             generation.completion_mask.cpu())]
+
+
+def _frozen(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def comparator_devices(requested: Any, agent_devices: Sequence[torch.device]) -> list[torch.device]:
+    """One device per agent: the agents' own, one for all, or one each."""
+    if requested is None:
+        return list(agent_devices)
+    if isinstance(requested, str):
+        return [resolve_device(requested)] * len(agent_devices)
+    return [resolve_device(device) for device in requested]
+
+
+class ModelComparator:
+    """Frozen local models, one per agent (loaded with the trainer, kept for the run)."""
+
+    kind = "model"
+
+    def __init__(self, sources: Sequence[str], devices: Sequence[torch.device], dtype: torch.dtype,
+                 trust_remote_code: bool = False) -> None:
+        self.sources = list(sources)
+        self.devices = list(devices)
+        self.dtype = dtype
+        self.trust_remote_code = trust_remote_code
+        self.models: list[Any] | None = None
+        self.tokenizers: list[Any] | None = None
+        if self.sources:  # the history comparator has no sources until an iteration names its snapshot
+            self.load()
+
+    def load(self) -> None:
+        tokenizers = [entities.prepare_tokenizer(AutoTokenizer.from_pretrained(s, trust_remote_code=self.trust_remote_code),
+                                                 f"comparator_{i}") for i, s in enumerate(self.sources)]
+        loaded = entities.load_models(self.sources, tokenizers, self.devices, self.dtype, "comparator",
+                                      self.trust_remote_code)
+        self.models = [_frozen(m) for m in loaded.models]
+        self.tokenizers = loaded.tokenizers
+
+    def begin(self, iteration: int, policy: Any) -> None:
+        """Nothing to do: the models are loaded at construction and stay (the same every iteration)."""
+
+    def end(self) -> None:
+        pass
+
+    def sample(self, policy: Any, spec: RolloutSpec, rows: list[dict[str, Any]], labels: list[int]) -> ComparatorSamples:
+        rollout = rollout_episodes(self.models, self.tokenizers, spec, rows, labels, policy.agent_map)
+        texts = rollout.joint_completions(0)
+        return ComparatorSamples(texts, [tokenize_completions(t, agent_texts)
+                                         for t, agent_texts in zip(policy.tokenizers, texts)])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class HistoryComparator(ModelComparator):
+    """The policy ``k`` iterations ago: at the start of iteration ``i`` the current policy is written to
+    ``directory/iteration_{i:04d}`` and the snapshot of iteration ``max(i - k, 0)`` is loaded.
+
+    The snapshots' paths are part of the run's state, so a resumed run (whose output may go to a new
+    directory) still finds the earlier ones; a missing one is an error naming it.
+    """
+
+    kind = "history"
+
+    def __init__(self, k: int, devices: Sequence[torch.device], dtype: torch.dtype, data_parallel: Any,
+                 directory: Path | None = None) -> None:
+        super().__init__([], devices, dtype)
+        self.k = k
+        self.data_parallel = data_parallel
+        self.directory = directory  # set by the trainer once its output directory is known
+        self.snapshots: dict[int, str] = {}
+        self.loaded_from: list[tuple[int, str]] = []  # (iteration, snapshot) of every load, for inspection
+
+    def snapshot(self, iteration: int, policy: Any) -> str:
+        """Write the current policy as the policy entering ``iteration`` (merged weights, tokenizers)."""
+        if self.directory is None:
+            raise RuntimeError("the history comparator has no snapshot directory (set output_dir or "
+                               "policy_checkpoint_dir)")
+        path = Path(self.directory) / f"iteration_{iteration:04d}"
+        if self.data_parallel.is_main:
+            agents = [lora.exportable(agent, "merged") for agent in policy.agents]
+            save_pretrained_models(agents, policy.tokenizers, [path / f"agent_{i}" for i in range(len(agents))])
+        self.data_parallel.barrier()
+        self.snapshots[iteration] = str(path)
+        return str(path)
+
+    def source_iteration(self, iteration: int) -> int:
+        """Whose policy iteration ``iteration`` is compared against."""
+        return max(iteration - self.k, 0)
+
+    def begin(self, iteration: int, policy: Any) -> None:
+        self.snapshot(iteration, policy)
+        source = self.source_iteration(iteration)
+        path = self.snapshots.get(source)
+        if path is None or not all((Path(path) / f"agent_{i}").is_dir() for i in range(policy.num_agents)):
+            raise FileNotFoundError(
+                f"the history comparator needs the policy snapshot of iteration {source} "
+                f"({path or 'never written'}), which is missing; it is written at the start of every iteration "
+                "under policy_checkpoint_dir (default output_dir/policies): keep those directories while the run "
+                "may resume")
+        self.sources = [str(Path(path) / f"agent_{i}") for i in range(policy.num_agents)]
+        self.models = [_frozen(entities.load_causal_lm(s, d, self.dtype)) for s, d in zip(self.sources, self.devices)]
+        self.tokenizers = policy.tokenizers  # the run's own agents: same vocabularies
+        self.loaded_from.append((iteration, path))
+
+    def end(self) -> None:
+        self.models, self.tokenizers, self.sources = None, None, []  # free the memory until the next iteration
+
+    def sample(self, policy: Any, spec: RolloutSpec, rows: list[dict[str, Any]], labels: list[int]) -> ComparatorSamples:
+        rollout = rollout_episodes(self.models, self.tokenizers, spec, rows, labels, policy.agent_map)
+        texts = rollout.joint_completions(0)
+        ids = [sampled_ids(generation) for generation in rollout.turns[0].generations]
+        return ComparatorSamples(texts, ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"snapshots": {str(k): v for k, v in self.snapshots.items()},
+                "loaded_from": [[iteration, path] for iteration, path in self.loaded_from]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.snapshots = {int(k): v for k, v in state["snapshots"].items()}
+        self.loaded_from = [(int(iteration), path) for iteration, path in state["loaded_from"]]
+
+
+@dataclass(frozen=True)
+class APISettings:
+    """How to reach an OpenAI-compatible endpoint; built once from the config (:meth:`from_config`)."""
+
+    url: str
+    api_format: str
+    model: str | None
+    timeout: float
+    retries: int
+    retry_backoff: float
+    concurrency: int
+    max_n_per_request: int | None
+    headers: dict[str, str]
+    extra_body: dict[str, Any]
+
+    @classmethod
+    def from_config(cls, options: Any) -> "APISettings":
+        base = str(options.comparator_api_url).rstrip("/")
+        suffix = "/chat/completions" if options.comparator_api_format == "chat" else "/completions"
+        url = base if base.endswith(suffix) else base + suffix
+        headers = {"Content-Type": "application/json", **(options.comparator_api_headers or {})}
+        key = options.comparator_api_key
+        if key is None and options.comparator_api_key_env:
+            key = os.environ.get(options.comparator_api_key_env)
+            if key is None:
+                raise ValueError(f"comparator_api_key_env={options.comparator_api_key_env!r}: that environment "
+                                 "variable is not set")
+        if key:
+            prefix = options.comparator_api_key_prefix.strip()
+            headers[options.comparator_api_key_header] = f"{prefix} {key}" if prefix else key
+        return cls(url=url, api_format=options.comparator_api_format, model=options.comparator_api_model,
+                   timeout=float(options.comparator_api_timeout), retries=int(options.comparator_api_retries),
+                   retry_backoff=float(options.comparator_api_retry_backoff),
+                   concurrency=int(options.comparator_api_concurrency),
+                   max_n_per_request=options.comparator_api_max_n_per_request, headers=headers,
+                   extra_body=dict(options.comparator_api_extra_body or {}))
+
+
+def post_json(settings: APISettings, body: dict[str, Any]) -> Any:
+    """POST ``body`` to the endpoint; retries timeouts, connection errors, 429 and 5xx; raises
+    :class:`ComparatorAPIError` naming the endpoint when every attempt failed."""
+    attempts = settings.retries + 1
+    problem = ""
+    for attempt in range(attempts):
+        request = urllib.request.Request(settings.url, data=json.dumps(body).encode("utf-8"),
+                                         headers=settings.headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=settings.timeout) as response:
+                raw = response.read().decode("utf-8", errors="replace")
+            try:
+                return json.loads(raw)
+            except json.JSONDecodeError:
+                raise ComparatorAPIError(f"comparator API {settings.url} answered with non-JSON: {raw[:300]!r}") from None
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode("utf-8", errors="replace")[:300]
+            problem = f"HTTP {error.code} {error.reason}: {detail}"
+            if error.code != 429 and error.code < 500:
+                raise ComparatorAPIError(
+                    f"comparator API {settings.url} refused the request with {problem}; check comparator_api_url, "
+                    "comparator_api_model and the key") from None
+        except (TimeoutError, socket.timeout):
+            problem = f"no answer within comparator_api_timeout={settings.timeout} s"
+        except urllib.error.URLError as error:
+            timed_out = isinstance(error.reason, (TimeoutError, socket.timeout))
+            problem = (f"no answer within comparator_api_timeout={settings.timeout} s" if timed_out
+                       else f"connection failed ({error.reason})")
+        except (ConnectionError, http.client.HTTPException) as error:
+            problem = f"connection failed ({type(error).__name__}: {error})"
+        if attempt + 1 < attempts:
+            logger.warning("comparator API %s: %s; retrying (%d/%d)", settings.url, problem, attempt + 1,
+                           settings.retries)
+            time.sleep(settings.retry_backoff * 2 ** attempt)
+    raise ComparatorAPIError(
+        f"comparator API {settings.url} failed after {attempts} attempt(s): {problem}. Training stopped before this "
+        "stage finished; the last checkpoint is intact: resume from it once the endpoint answers")
+
+
+def answer_texts(settings: APISettings, answer: Any) -> list[str]:
+    """The completions of an OpenAI-format answer (``choices[i].message.content`` or ``choices[i].text``)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list):
+        raise ComparatorAPIError(f"comparator API {settings.url} answered without a 'choices' list: {str(answer)[:300]}")
+    texts = []
+    for choice in choices:
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if settings.api_format == "chat" and isinstance(message, dict) and message.get("content") is not None:
+            texts.append(str(message["content"]))
+        elif isinstance(choice, dict) and choice.get("text") is not None:
+            texts.append(str(choice["text"]))
+        else:
+            raise ComparatorAPIError(f"comparator API {settings.url}: a choice without text: {str(choice)[:200]}")
+    return texts
+
+
+class APIComparator:
+    """Completions from an OpenAI-compatible endpoint, for every agent's prompt."""
+
+    kind = "api"
+
+    def __init__(self, settings: APISettings) -> None:
+        self.settings = settings
+
+    def begin(self, iteration: int, policy: Any) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def request_body(self, prompt: str, count: int, spec: RolloutSpec) -> dict[str, Any]:
+        sampling = spec.sampling
+        body: dict[str, Any] = {"n": count, "max_tokens": sampling.max_new_tokens,
+                                "temperature": sampling.temperature, "top_p": sampling.top_p}
+        if self.settings.model is not None:
+            body["model"] = self.settings.model
+        if self.settings.api_format == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        return {**body, **self.settings.extra_body}
+
+    def completions(self, prompt: str, count: int, spec: RolloutSpec) -> list[str]:
+        texts: list[str] = []
+        while len(texts) < count:
+            asked = min(count - len(texts), self.settings.max_n_per_request or count)
+            answer = answer_texts(self.settings, post_json(self.settings, self.request_body(prompt, asked, spec)))
+            if not answer:
+                raise ComparatorAPIError(f"comparator API {self.settings.url} returned no completions (asked n={asked})")
+            texts += answer
+        return texts[:count]
+
+    def sample(self, policy: Any, spec: RolloutSpec, rows: list[dict[str, Any]], labels: list[int]) -> ComparatorSamples:
+        """Every agent's prompt of every row, ``spec.num_generations`` completions each (``concurrency``
+        requests at a time; the answers keep the rows' order)."""
+        texts, ids = [], []
+        with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
+            for agent, tokenizer in enumerate(policy.tokenizers):
+                prompts = [format_prompt(spec.formatters[agent], row, agent, label) for row, label in zip(rows, labels)]
+                answers = pool.map(lambda prompt: self.completions(prompt, spec.num_generations, spec), prompts)
+                agent_texts = [text for answer in answers for text in answer]
+                texts.append(agent_texts)
+                ids.append(tokenize_completions(tokenizer, agent_texts))
+        return ComparatorSamples(texts, ids)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def build_comparator(options: Any, policy: Any) -> Any:
+    """The comparator the options name (None for 'current'); 'model' loads its models now, 'history' at each
+    iteration."""
+    kind = options.comparator_policy
+    if kind == "current":
+        return None
+    devices = comparator_devices(options.comparator_devices, policy.agent_devices)
+    if kind == "history":
+        return HistoryComparator(options.comparator_history_k or 1, devices, policy.dtype, policy.data_parallel,
+                                 Path(options.policy_checkpoint_dir) if options.policy_checkpoint_dir else None)
+    if kind == "model":
+        sources = options.comparator_agents or [options.comparator_model_name] * policy.num_agents
+        return ModelComparator([str(s) for s in sources], devices, policy.dtype, policy.args.trust_remote_code)
+    return APIComparator(APISettings.from_config(options))
