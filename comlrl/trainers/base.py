@@ -327,14 +327,19 @@ class MultiAgentTrainer(TrainingLoop):
     step_stages: tuple[Stage, ...] = ()
 
     def build_references(self, sources: list[Any]) -> list[ReferencePolicy] | None:
-        """One frozen reference per agent (see :mod:`comlrl.training.reference`), built before any update,
-        so without ``reference_model`` it holds the initial weights (a resume rebuilds them the same way)."""
-        args = self.args
-        if not args.reference_kl_enabled:
+        """The KL penalty's references (:meth:`frozen_references`), None without ``reference_kl_enabled``."""
+        if not self.args.reference_kl_enabled:
             return None
         if self.data_parallel.fsdp is not None:
-            raise ValueError(f"{type(args).__name__}.reference_kl_enabled is not supported yet under an FSDP launch; "
-                             "use data parallelism without FSDP or LoRA")
+            raise ValueError(f"{type(self.args).__name__}.reference_kl_enabled is not supported yet under an FSDP "
+                             "launch; use data parallelism without FSDP or LoRA")
+        return self.frozen_references(sources)
+
+    def frozen_references(self, sources: list[Any]) -> list[ReferencePolicy]:
+        """One frozen reference per agent (see :mod:`comlrl.training.reference`): ``reference_model`` on
+        ``reference_devices``, or, built before any update, the agent's initial weights (a resume rebuilds
+        them the same way)."""
+        args = self.args
         given = args.reference_model
         models = given if isinstance(given, list) else [given] * self.num_agents
         devices = (self.resolve_devices(args.reference_devices, sources, "reference_devices")

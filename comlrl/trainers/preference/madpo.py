@@ -56,16 +56,7 @@ class MADPOTrainer(MultiAgentTrainer):
         """DPO's frozen reference per agent (``dpo_reference='initial'``; None for 'none'): the agent's initial
         weights (with LoRA: its base model, adapters off), or ``reference_model``, on ``reference_devices``.
         Built by the base trainer before any update; never in checkpoints (a resume rebuilds them)."""
-        args = self.args
-        if args.dpo_reference == "none":
-            return None
-        given = args.reference_model
-        models = given if isinstance(given, list) else [given] * self.num_agents
-        devices = (self.resolve_devices(args.reference_devices, sources, "reference_devices")
-                   if args.reference_devices is not None else self.agent_devices)
-        load_kwargs = {"dtype": self.dtype, "trust_remote_code": args.trust_remote_code}
-        return [ReferencePolicy.for_agent(agent, model, device, load_kwargs)
-                for agent, model, device in zip(self.agents, models, devices)]
+        return None if self.args.dpo_reference == "none" else self.frozen_references(sources)
 
     # ----- stages (rollout and score: the base trainer's) --------------------------------------------
     def select_pairs(self, rewards: list[torch.Tensor]) -> list[list[preferences.CandidatePair]]:
