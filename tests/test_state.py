@@ -32,7 +32,8 @@ from datasets import Dataset
 
 from comlrl.checkpointing.runner import CheckpointRunner
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
-from comlrl.trainers.preference import MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
+from comlrl.trainers.preference import (MADPOConfig, MADPOIterConfig, MADPOIterTrainer, MADPOTrainer, MARLHFConfig,
+                                        MARLHFIterTrainer, MARLHFTrainer)
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 # Attribute paths (fnmatch patterns on the paths this file prints) that may change in training
@@ -270,6 +271,8 @@ COMMON = dict(num_agents=2, num_generations=2, max_new_tokens=4, per_device_trai
 DIRECT = dict(COMMON, num_train_epochs=2, lr_scheduler_type="linear", warmup_steps=1, invalid_reward="drop")
 # The policy guard off: a guard that restores the policy would leave the optimizer state where it
 # began, and the check below wants to see the state move (the guard's own state: test_preference.py).
+DPO = dict(COMMON, num_generations=3, num_train_epochs=2, lr_scheduler_type="linear", pair_selection="random",
+           invalid_reward="drop")
 PREFERENCE = dict(COMMON, preference_num_generations=4, reward_model_device=None, reward_train_epochs=1,
                   reward_batch_size=4, policy_guard=False)
 
@@ -296,11 +299,17 @@ def builders(model: str, reward_func: Callable) -> dict[str, tuple[Callable[[], 
         "marlhf-iter": (lambda: MARLHFIterTrainer(agent_model=model, num_agents=2, reward_func=reward_func,
                                                   train_dataset=dataset(),
                                                   args=MARLHFConfig(num_iterations=2, **PREFERENCE)), 4),
+        "madpo": (lambda: MADPOTrainer(train_dataset=dataset(), args=MADPOConfig(**DPO), **direct), 1),
+        # Into the second iteration (collect, prepare, DPO per iteration): its pairs collected and prepared.
+        "madpo-iter": (lambda: MADPOIterTrainer(agent_model=model, num_agents=2, reward_func=reward_func,
+                                                train_dataset=dataset(),
+                                                args=MADPOIterConfig(num_iterations=2, preference_replay_mode="all",
+                                                                     **dict(COMMON, num_generations=3))), 5),
     }
 
 
 DIRECT_CASES = ["magrpo", "maac", "iac-separate", "iac-shared"]
-CASES = DIRECT_CASES + ["marlhf", "marlhf-iter"]
+CASES = DIRECT_CASES + ["marlhf", "marlhf-iter", "madpo", "madpo-iter"]
 
 
 @pytest.mark.parametrize("case", CASES)
