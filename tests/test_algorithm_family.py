@@ -179,3 +179,17 @@ def test_collaboration_mode_points_to_the_centralized_trainer():
     assert CentralizedMAGRPOConfig().collaboration_mode == "centralized"
     with pytest.raises(ValueError, match="collaboration_mode='centralized'.*CentralizedMAGRPOConfig"):
         MAGRPOConfig(collaboration_mode="centralized")
+
+
+def test_marlhf_policy_stage_carries_the_reference_kl(tiny_llama):
+    from comlrl.trainers.preference import MARLHFConfig, MARLHFTrainer
+
+    trainer = MARLHFTrainer(agent_model=tiny_llama, reward_func=letters_reward, train_dataset=Dataset.from_list(rows(4)),
+                            args=MARLHFConfig(num_agents=2, num_generations=2, max_new_tokens=4, reward_model_device=None,
+                                              preference_num_generations=4, reward_train_epochs=1, disable_tqdm=True,
+                                              per_device_train_batch_size=2, reference_kl_enabled=True,
+                                              reference_kl_mode="loss", agent_learning_rate=1e-2))
+    trainer.train()
+    assert trainer.policy_trainer.references is not None
+    kls = [step["reference_kl_mean"] for step in trainer.state.history if "reference_kl_mean" in step]
+    assert kls and kls[0] == 0.0 and max(kls) > 0.0, kls
