@@ -1,4 +1,4 @@
-"""Exceptions that end a training run on purpose, after its state is saved."""
+"""Exceptions that end a training run on purpose (after its state is saved), and the refusal of a bad checkpoint."""
 
 from __future__ import annotations
 
@@ -17,3 +17,19 @@ class TrainingInterrupted(TrainingStopped):
 
 class NonFiniteTrainingError(TrainingStopped):
     """Too many consecutive updates had a NaN/inf loss or gradient."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed, raised before any work starts: ``checkpoint`` (its
+    directory), ``file`` (relative to it, or None for the whole directory) and ``problem``."""
+
+    def __init__(self, checkpoint: object, file: str | None, problem: str) -> None:
+        self.checkpoint, self.file, self.problem = str(checkpoint), file, problem
+        super().__init__(f"checkpoint {self.checkpoint!r}{f', {file}' if file else ''}: {problem}")
+
+    def __reduce__(self):  # picklable (a Dask or Prefect worker sends errors back)
+        return type(self), (self.checkpoint, self.file, self.problem)
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory does not exist."""

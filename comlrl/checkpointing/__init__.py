@@ -1,4 +1,6 @@
-"""Training checkpoints: atomic on-disk layout (``io``) and the trainer hook (``runner``)."""
+"""Training checkpoints: the atomic on-disk layout (``io``), its seal (``manifest``), complete checks
+before a load (``validate``), which checkpoints continue a run (``lineage``), repair after a killed
+save (``recovery``) and the trainer hook (``runner``)."""
 
 from comlrl.checkpointing.io import (
     CHECKPOINT_PREFIX,
@@ -7,5 +9,7 @@ from comlrl.checkpointing.io import (
     list_checkpoints,
     read_metadata,
 )
+from comlrl.checkpointing.validate import read_checkpoint
 
-__all__ = ["CHECKPOINT_PREFIX", "COMPLETE_MARKER", "latest_checkpoint", "list_checkpoints", "read_metadata"]
+__all__ = ["CHECKPOINT_PREFIX", "COMPLETE_MARKER", "latest_checkpoint", "list_checkpoints", "read_checkpoint",
+           "read_metadata"]

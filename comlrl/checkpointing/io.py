@@ -1,18 +1,32 @@
-"""Checkpoint directories on disk, written atomically.
+"""Checkpoint directories on disk: the layout, the atomic save and reading the files back.
 
 Layout of ``checkpoint-N`` (N = completed boundaries)::
 
-    metadata.json          progress, resolved config, model fingerprints, run identities
+    metadata.json          progress, resolved config, model fingerprints, run identities, lineage
     history.json           the per-step metrics so far
     models/<name>.safetensors   the weights of every trained model (``trainer.checkpoint_modules()``)
     state.pt               ``trainer.state_dict()`` less its history: progress, optimizer-step components
                            (optimizer, LR schedule, pending gradients), RNG states, stateful user
                            objects, and trainer-specific state (PbRL pairs and reward model)
-    COMPLETE               written last; a directory without it is never loaded
+    manifest.json          every other file's size and sha256 (:mod:`comlrl.checkpointing.manifest`)
+    COMPLETE               written last: the sha256 of manifest.json; a directory without it is never loaded
 
-A checkpoint is assembled in ``.checkpoint-N.tmp-*`` and renamed into place only once
-complete, so a crash mid-save leaves every earlier checkpoint intact. Every ``.pt`` file
-holds tensors and plain values only and is read with ``torch.load(..., weights_only=True)``.
+The save, step by step (``<pid>`` is the writing process):
+
+1. assemble the files in ``.checkpoint-N.tmp-<pid>-*``, then seal it (``manifest.json``, then ``COMPLETE``);
+2. if ``checkpoint-N`` exists (a boundary saved again): rename it to ``.checkpoint-N.old-<pid>``;
+3. rename the staging directory to ``checkpoint-N``;
+4. delete ``.checkpoint-N.old-<pid>``.
+
+A kill at any point leaves every other checkpoint intact; what it leaves of ``checkpoint-N`` is put
+right when a run next starts in this directory (:mod:`comlrl.checkpointing.recovery`): a sealed staging
+directory whose manifest verifies becomes ``checkpoint-N``, otherwise the ``.old`` copy is restored,
+and unsealed staging directories are deleted. Every ``.pt`` file holds tensors and plain values only and
+is read with ``torch.load(..., weights_only=True)``; a pickled object is refused, never loaded.
+
+"latest" is the newest complete ``checkpoint-*`` at the top level of the directory. A run that starts
+there first moves every checkpoint later than its starting point to ``abandoned/<attempt>/``
+(:mod:`comlrl.checkpointing.lineage`), so "latest" is always a checkpoint of the run being continued.
 
 Weights and optimizer states are always full (unsharded): sharded (FSDP) models arrive here
 gathered by :func:`comlrl.parallel.sharding.gather_weights`, their optimizer states gathered by
@@ -24,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -31,16 +46,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from comlrl.checkpointing import manifest
+from comlrl.checkpointing.manifest import COMPLETE_MARKER
+from comlrl.errors import CheckpointError, CheckpointNotFoundError
 from comlrl.parallel import sharding
 
+FORMAT_VERSION = 2  # of the layout; a checkpoint of another format is refused
 CHECKPOINT_PREFIX = "checkpoint-"
-COMPLETE_MARKER = "COMPLETE"
 METADATA_FILE = "metadata.json"
 HISTORY_FILE = "history.json"
 STATE_FILE = "state.pt"
-
+MODELS_DIR = "models"
+WEIGHTS_SUFFIX = ".safetensors"
 
 _NAME = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)(?:-step(\d+))?$")
 
@@ -66,6 +86,11 @@ def is_complete(path: Path) -> bool:
     return (path / COMPLETE_MARKER).is_file() and (path / METADATA_FILE).is_file()
 
 
+def weights_file(name: str) -> str:
+    """The path, relative to a checkpoint, of model ``name``'s weights."""
+    return f"{MODELS_DIR}/{name}{WEIGHTS_SUFFIX}"
+
+
 def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     """Complete checkpoints in ``checkpoint_dir``, oldest first (partial ones are skipped)."""
     root = Path(checkpoint_dir)
@@ -80,15 +105,79 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+# ----- reading ------------------------------------------------------------------------------------
+def require_present(path: Path) -> None:
+    """``path`` is a checkpoint directory whose save finished (it has ``COMPLETE`` and metadata)."""
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    if not is_complete(path):
-        raise ValueError(f"checkpoint {str(path)!r} is incomplete (no {COMPLETE_MARKER} marker); it cannot be loaded")
-    return json.loads((path / METADATA_FILE).read_text())
+        raise CheckpointNotFoundError(path, None, "does not exist")
+    if not (path / COMPLETE_MARKER).is_file():
+        raise CheckpointError(path, None, f"is incomplete (no {COMPLETE_MARKER} marker: its save was interrupted); "
+                              "it cannot be loaded")
+    if not (path / METADATA_FILE).is_file():
+        raise CheckpointError(path, METADATA_FILE, "is missing")
 
 
+def read_json(directory: Path, name: str) -> Any:
+    try:
+        return json.loads((directory / name).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(directory, name, "is missing") from None
+    except UnicodeDecodeError as error:
+        raise CheckpointError(directory, name, f"is not UTF-8 text ({error})") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(directory, name, f"is not valid JSON ({error})") from None
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """``metadata.json`` of a finished checkpoint (checked against its manifest when it has one)."""
+    path = Path(path)
+    require_present(path)
+    if manifest.is_sealed(path):
+        manifest.verify_file(path, METADATA_FILE, manifest.read_manifest(path).get(METADATA_FILE))
+    metadata = read_json(path, METADATA_FILE)
+    if not isinstance(metadata, dict):
+        raise CheckpointError(path, METADATA_FILE, f"holds a JSON {type(metadata).__name__}, not an object")
+    return metadata
+
+
+def load_pt(file: Path) -> Any:
+    """A ``.pt`` file of tensors and plain values; anything else (a pickled object) is refused."""
+    file = Path(file)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(file.parent, file.name, "is missing") from None
+    except Exception as error:  # torch raises many kinds on a damaged file (RuntimeError, EOFError, KeyError, ...)
+        detail = _load_error_detail(error)
+        if isinstance(error, pickle.UnpicklingError) and "GLOBAL" in detail:
+            raise CheckpointError(file.parent, file.name, "holds pickled Python objects, which are never loaded "
+                                  f"(only tensors and plain values are): {detail}") from None
+        raise CheckpointError(file.parent, file.name, f"is not a readable torch file ({detail})") from None
+
+
+def _load_error_detail(error: Exception) -> str:
+    """The line of a ``torch.load`` error that says what is wrong (not its boilerplate about weights_only)."""
+    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.startswith(boilerplate)]
+    return f"{type(error).__name__}: {(lines[0] if lines else str(error))[:200]}"
+
+
+def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
+    for name, module in modules.items():
+        relative = weights_file(name)
+        file = path / relative
+        if not file.is_file():
+            raise CheckpointError(path, relative, f"is missing: the checkpoint has no weights for {name!r}")
+        try:
+            if sharding.is_sharded(module):  # every rank joins; rank 0 reads
+                sharding.load_model_state(module, lambda: load_file(str(file)))
+            else:
+                load_model(module, str(file), strict=True)
+        except (RuntimeError, SafetensorError) as error:
+            raise CheckpointError(path, relative, f"the weights for {name!r} do not fit the model: {error}") from None
+
+
+# ----- writing ------------------------------------------------------------------------------------
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -110,6 +199,11 @@ def save_state(state: dict[str, torch.Tensor], file: str) -> None:
     save_file({name: state[name].contiguous() for name in kept.values()}, file, metadata=dropped or None)
 
 
+def staging_prefix(name: str) -> str:
+    """``.checkpoint-N.tmp-<pid>-``: a staging directory names its writer (see the recovery)."""
+    return f".{name}.tmp-{os.getpid()}-"
+
+
 def write_checkpoint(
     checkpoint_dir: str | Path,
     name: str,
@@ -118,7 +212,7 @@ def write_checkpoint(
     metadata: dict[str, Any],
     history: list[dict[str, Any]] | None = None,
 ) -> Path:
-    """Write the checkpoint directory ``name`` atomically and return its path.
+    """Write the checkpoint directory ``name`` atomically (the sequence above) and return its path.
 
     ``modules`` holds modules, or the full state dicts gathered from sharded ones; ``state`` is the
     trainer's state dict (tensors and plain values).
@@ -126,11 +220,11 @@ def write_checkpoint(
     root = Path(checkpoint_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    staging = Path(tempfile.mkdtemp(prefix=staging_prefix(final.name), dir=root))
     try:
-        (staging / "models").mkdir()
-        for name, module in modules.items():
-            file = str(staging / "models" / f"{name}.safetensors")
+        (staging / MODELS_DIR).mkdir()
+        for model_name, module in modules.items():
+            file = str(staging / weights_file(model_name))
             if isinstance(module, torch.nn.Module):
                 save_model(module, file)
             else:
@@ -138,16 +232,9 @@ def write_checkpoint(
         torch.save(state, staging / STATE_FILE)
         (staging / HISTORY_FILE).write_text(json.dumps(history or []))
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
-        (staging / COMPLETE_MARKER).write_text("ok\n")
+        manifest.seal(staging)
         _fsync_dir(staging)
-        if final.exists():
-            # Re-saving a boundary (e.g. after a resume that repeated work): swap atomically.
-            retired = root / f".{final.name}.old-{os.getpid()}"
-            os.replace(final, retired)
-            os.replace(staging, final)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, final)
+        install(staging, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -155,27 +242,25 @@ def write_checkpoint(
     return final
 
 
-def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
-    for name, module in modules.items():
-        file = path / "models" / f"{name}.safetensors"
-        if not file.is_file():
-            raise ValueError(f"checkpoint {str(path)!r} has no weights for {name!r}")
-        try:
-            if sharding.is_sharded(module):  # every rank joins; rank 0 reads
-                sharding.load_model_state(module, lambda: load_file(str(file)))
-            else:
-                load_model(module, str(file), strict=True)
-        except RuntimeError as error:
-            raise ValueError(f"checkpoint weights for {name!r} do not fit the model: {error}") from None
-
-
-def load_pt(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=True)
+def install(staging: Path, final: Path) -> None:
+    """Steps 2-4 of the save: the sealed ``staging`` directory becomes ``final``; an existing ``final``
+    is set aside as ``.<name>.old-<pid>`` until then (and put back if the rename fails)."""
+    retired = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        os.replace(final, retired)
+    try:
+        os.replace(staging, final)
+    except BaseException:
+        if retired.exists() and not final.exists():
+            os.replace(retired, final)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def prune(checkpoint_dir: str | Path, keep: int, spare: str | Path | None = None) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints; ``spare`` (the checkpoint a run
-    resumed from) is never deleted, even when it is older than those."""
+    """Delete all but the newest ``keep`` complete checkpoints of ``checkpoint_dir``; ``spare`` (the
+    checkpoint a run resumed from) is never deleted, even when it is older than those. Archived
+    checkpoints (``abandoned/``, see :mod:`comlrl.checkpointing.lineage`) are not counted or touched."""
     spared = Path(spare).resolve() if spare is not None else None
     for old in list_checkpoints(checkpoint_dir)[:-keep]:
         if spared is not None and old.resolve() == spared:

@@ -4,23 +4,28 @@ A trainer exposes exactly three things: ``checkpoint_modules()`` (the trained mo
 safetensors), ``state_dict()``/``load_state_dict()`` (everything else that a resume needs) and
 ``compat_settings()`` (what must match for the state to mean the same). This module owns the
 rest: when to save, what the metadata holds, and what makes a resume incompatible.
+
+At the start, before the first training step: the checkpoint directory is recovered from killed
+saves (:mod:`~comlrl.checkpointing.recovery`), "latest" is resolved, the checkpoint to resume is
+checked completely (:mod:`~comlrl.checkpointing.validate`) and against this trainer, loaded, and
+checkpoints later than the starting point are archived (:mod:`~comlrl.checkpointing.lineage`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
 
 import comlrl
+from comlrl.checkpointing import io, lineage, recovery, validate
+from comlrl.checkpointing.io import FORMAT_VERSION
+from comlrl.errors import CheckpointError
 from comlrl.parallel import sharding
-from comlrl.checkpointing import io
 
-FORMAT_VERSION = 2
 logger = logging.getLogger(__name__)
 
 
@@ -58,9 +63,24 @@ class CheckpointRunner:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.interval = checkpoint_interval
         self.save_total_limit = save_total_limit
+        self.attempt = lineage.new_attempt()
+        self.parent_lineage: dict[str, Any] | None = None  # the resumed checkpoint's lineage
+        self.recovered: list[str] = []
+        if self.checkpoint_dir is not None:
+            self.on_main(lambda: self.recovered.extend(recovery.recover(self.checkpoint_dir)))
         self.resume_path = self._resolve_resume(resume_from_checkpoint)
         self.last_saved: int | None = None
         self.failures = 0
+
+    def on_main(self, work: Callable[[], Any]) -> None:
+        """``work`` in the process that writes checkpoints; the others wait until it is done."""
+        parallel = getattr(self.trainer, "data_parallel", None)
+        try:
+            if parallel is None or parallel.is_main:
+                work()
+        finally:
+            if parallel is not None:
+                parallel.barrier()
 
     def _resolve_resume(self, resume: str | Path | bool | None) -> Path | None:
         if resume in (None, False):
@@ -70,44 +90,66 @@ class CheckpointRunner:
                 raise ValueError("resume_from_checkpoint='latest' needs checkpoint_dir")
             return io.latest_checkpoint(self.checkpoint_dir)
         path = Path(resume)
-        io.read_metadata(path)  # raises for missing or incomplete checkpoints
+        io.require_present(path)  # missing or incomplete: refused at once
         return path
 
     # ----- resume -----------------------------------------------------------------------------
     def begin(self) -> None:
-        if self.resume_path is None:
-            return
-        metadata = io.read_metadata(self.resume_path)
-        self.check_compatible(metadata)
+        """Resume (every check before anything is loaded), then archive what lies beyond the start."""
         trainer = self.trainer
-        io.load_modules(self.resume_path, trainer.checkpoint_modules())
-        state = io.load_pt(self.resume_path / io.STATE_FILE)
-        state["progress"]["history"] = json.loads((self.resume_path / io.HISTORY_FILE).read_text())
-        trainer.load_state_dict(state, f"checkpoint {str(self.resume_path)!r}")  # the RNGs last
+        if self.resume_path is not None:
+            contents = validate.read_checkpoint(self.resume_path, trainer)
+            self.check_compatible(contents.metadata)
+            validate.check_state_structure(contents, trainer)
+            self.load(contents)
+            self.parent_lineage = contents.metadata.get("lineage")
+            self.last_saved = contents.metadata["boundary"]
+            state = contents.metadata["state"]
+            position = io.checkpoint_order(self.resume_path) or (state["boundaries"], state["global_step"])
+        else:
+            position = (trainer.state.boundaries, trainer.state.global_step)
+        if self.checkpoint_dir is not None:
+            self.on_main(lambda: lineage.archive_later(self.checkpoint_dir, position))
+
+    def load(self, contents: validate.CheckpointContents) -> None:
+        trainer, path = self.trainer, contents.path
+        io.load_modules(path, trainer.checkpoint_modules())
+        state = contents.state
+        state["progress"]["history"] = contents.history
+        try:
+            trainer.load_state_dict(state, f"checkpoint {str(path)!r}")  # the RNGs last
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as error:
+            raise CheckpointError(path, io.STATE_FILE, f"{type(trainer).__name__}.load_state_dict refused it: "
+                                  f"{type(error).__name__}: {error}") from error
+        metadata = contents.metadata
         trainer.run_identity.update({key: metadata.get(key) for key in ("wandb", "mlflow") if metadata.get(key)})
-        self.last_saved = metadata["boundary"]
 
     def check_compatible(self, metadata: dict[str, Any]) -> None:
+        """The checkpoint continues this trainer's run: same settings, models and a progress within the plan."""
         trainer = self.trainer
-        where = f"cannot resume from {str(self.resume_path)!r}"
-        if metadata.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"{where}: checkpoint format {metadata.get('format_version')} is not this library's "
-                             f"format {FORMAT_VERSION}; start a new run from the exported models instead")
-        if metadata.get("trainer") != type(trainer).__name__:
-            raise ValueError(f"{where}: it was written by {metadata.get('trainer')}, not {type(trainer).__name__}")
+
+        def refuse(problem: str) -> None:
+            raise CheckpointError(self.resume_path, None, f"cannot be resumed here: {problem}")
+
         current = trainer.compat_settings()
         for key, value in current.items():
             saved = metadata["compat"].get(key)
             if saved != value:
-                raise ValueError(f"{where}: {key} is {value!r} here but {saved!r} in the checkpoint")
+                refuse(f"{key} is {value!r} here but {saved!r} in the checkpoint")
         modules = trainer.checkpoint_modules()
         if set(modules) != set(metadata["models"]):
-            raise ValueError(f"{where}: models {sorted(modules)} here but {sorted(metadata['models'])} in the checkpoint")
+            refuse(f"models {sorted(modules)} here but {sorted(metadata['models'])} in the checkpoint")
         for name, module in modules.items():
             fingerprint = model_fingerprint(module)
             if fingerprint != metadata["models"][name]:
-                raise ValueError(f"{where}: {name}: {_describe_shape_difference(metadata['models'][name], fingerprint)}")
+                refuse(f"{name}: {_describe_shape_difference(metadata['models'][name], fingerprint)}")
         trainer.check_resume_progress(metadata["state"])
+        total = getattr(trainer, "total_boundaries", None)
+        if callable(total) and metadata["state"]["boundaries"] > total():
+            refuse(f"it has completed {metadata['state']['boundaries']} boundaries ({metadata['boundary_kind']}) "
+                   f"but this run plans {total()}; the run's length counts the whole run, so raise it")
 
     # ----- save -------------------------------------------------------------------------------
     def on_boundary(self) -> None:
@@ -168,6 +210,8 @@ class CheckpointRunner:
             "models": {name: model_fingerprint(module) for name, module in trainer.checkpoint_modules().items()},
             "wandb": trainer.run_identity.get("wandb"),
             "mlflow": trainer.run_identity.get("mlflow"),
+            "lineage": lineage.record(self.attempt, self.resume_path, self.parent_lineage),
+            "manifest": True,
         }
         path = io.write_checkpoint(self.checkpoint_dir, name, modules, state, metadata, history)
         self.last_saved = trainer.state.boundaries
