@@ -126,7 +126,11 @@ class _ConfigMeta(type):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if kwargs and dataclasses.is_dataclass(cls):
             kwargs = _resolve_aliases(cls, kwargs)
-        return super().__call__(*args, **kwargs)
+        config = super().__call__(*args, **kwargs)
+        # Which fields the caller chose (keywords or positionally), so a default can be told from a choice.
+        given = set(kwargs) | {f.name for f in dataclasses.fields(cls)[:len(args)]} if dataclasses.is_dataclass(cls) else set()
+        object.__setattr__(config, "_given_fields", frozenset(given))
+        return config
 
 
 def _resolve_aliases(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -172,6 +176,10 @@ class ConfigBase(metaclass=_ConfigMeta):
     def validate(self) -> list[str]:
         """Cross-field rules; return the list of problems (empty when valid)."""
         return []
+
+    def was_given(self, name: str) -> bool:
+        """Whether the constructor received ``name`` (or one of its aliases), rather than taking the default."""
+        return name in getattr(self, "_given_fields", ())
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

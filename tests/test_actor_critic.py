@@ -56,7 +56,7 @@ def test_spec_centralized_critic_example(tiny_llama, tiny_gpt2, tiny_llama_b, re
         critics=None,
         reward_func=reward_func,
         train_dataset=train_dataset,
-        args=MAACConfig(num_agents=2, num_turns=1, temperature=0.7, top_p=0.9, top_k=None, **FAST),
+        args=MAACConfig(num_train_epochs=1, num_agents=2, num_turns=1, temperature=0.7, top_p=0.9, top_k=None, **FAST),
     )
     assert [len(t) for t in trainer.tokenizers] == [96, 128]
     assert len(trainer.critics) == 1 and type(trainer.critics[0]).__name__ == "LlamaForCausalLM"
@@ -81,7 +81,7 @@ def test_spec_independent_separate_critics_example(tiny_llama, tiny_gpt2, reward
         critics=[tiny_llama, tiny_gpt2],
         reward_func=reward_func,
         train_dataset=train_dataset,
-        args=IACConfig(
+        args=IACConfig(num_train_epochs=1, 
             num_agents=2,
             num_turns=1,
             use_separate_critic=True,
@@ -112,7 +112,7 @@ def test_spec_independent_shared_critic_example(tiny_llama, tiny_gpt2, reward_fu
         critics=None,
         reward_func=reward_func,
         train_dataset=train_dataset,
-        args=IACConfig(
+        args=IACConfig(num_train_epochs=1, 
             num_agents=2,
             num_turns=1,
             use_separate_critic=False,
@@ -133,7 +133,7 @@ def test_spec_independent_shared_critic_example(tiny_llama, tiny_gpt2, reward_fu
 
 def test_homogeneous_shortcuts_load_independent_copies(tiny_llama, reward_func, train_dataset):
     trainer = IACTrainer(agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, reward_func=reward_func,
-                         train_dataset=train_dataset, args=IACConfig(num_agents=2, **FAST))
+                         train_dataset=train_dataset, args=IACConfig(num_train_epochs=1, num_agents=2, **FAST))
     models = trainer.agents + trainer.critics
     assert len({id(m) for m in models}) == 4
     assert len({id(p) for m in models for p in m.parameters()}) == sum(len(list(m.parameters())) for m in models)
@@ -142,7 +142,7 @@ def test_homogeneous_shortcuts_load_independent_copies(tiny_llama, reward_func, 
 # ----- entity and config rules ---------------------------------------------------------------------
 def test_critic_model_and_critics_must_agree(tiny_llama, tiny_llama_b, reward_func, train_dataset):
     common = dict(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                  args=IACConfig(num_agents=2, **FAST))
+                  args=IACConfig(num_train_epochs=1, num_agents=2, **FAST))
     with pytest.raises(ValueError, match=rf"critic_model='{tiny_llama}' does not match critics names .* \(entries \[1\] differ\)"):
         IACTrainer(critic_model=tiny_llama, critics=[tiny_llama, tiny_llama_b], **common)
     with pytest.raises(ValueError, match="critics has 1 entries but the number of models expected is 2; give exactly 2"):
@@ -153,7 +153,7 @@ def test_critic_model_and_critics_must_agree(tiny_llama, tiny_llama_b, reward_fu
 
 def test_shared_iac_refuses_critic_arguments(tiny_llama, reward_func, train_dataset):
     common = dict(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                  args=IACConfig(num_agents=2, use_separate_critic=False, **FAST))
+                  args=IACConfig(num_train_epochs=1, num_agents=2, use_separate_critic=False, **FAST))
     with pytest.raises(ValueError, match=r"use_separate_critic=False .* critic_model and critics must stay None; "
                                          rf"got critic_model='{tiny_llama}', critics=None"):
         IACTrainer(critic_model=tiny_llama, **common)
@@ -163,7 +163,7 @@ def test_shared_iac_refuses_critic_arguments(tiny_llama, reward_func, train_data
 
 def test_maac_needs_exactly_one_critic(tiny_llama, tiny_llama_b, reward_func, train_dataset):
     common = dict(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                  args=MAACConfig(num_agents=2, **FAST))
+                  args=MAACConfig(num_train_epochs=1, num_agents=2, **FAST))
     with pytest.raises(ValueError, match=r"critics must have exactly one element; got 2: \["):
         MAACTrainer(critics=[tiny_llama, tiny_llama_b], **common)
     with pytest.raises(ValueError, match="MAACTrainer needs a centralised critic"):
@@ -191,23 +191,23 @@ def test_agent_model_and_agents_must_agree(tiny_llama, tiny_llama_b, reward_func
     with pytest.raises(ValueError, match=rf"agent_model='{tiny_llama}' does not match agents names"):
         MAACTrainer(agent_model=tiny_llama, agents=[tiny_llama, tiny_llama_b], tokenizer=tokenizers(tiny_llama)[0],
                     critic_model=tiny_llama, reward_func=reward_func, train_dataset=train_dataset,
-                    args=MAACConfig(num_agents=2, **FAST))
+                    args=MAACConfig(num_train_epochs=1, num_agents=2, **FAST))
     with pytest.raises(ValueError, match="agents has 3 entries but the number of agents is 2"):
         MAACTrainer(agents=[tiny_llama] * 3, tokenizer=tokenizers(tiny_llama)[0], critic_model=tiny_llama,
-                    reward_func=reward_func, train_dataset=train_dataset, args=MAACConfig(num_agents=2, **FAST))
+                    reward_func=reward_func, train_dataset=train_dataset, args=MAACConfig(num_train_epochs=1, num_agents=2, **FAST))
 
 
 def test_separate_critic_must_accept_its_actors_token_ids(tiny_llama, tiny_gpt2, reward_func, train_dataset):
     with pytest.raises(ValueError, match="the tokenizer given for critic_1 has 128 tokens but the model .* embeds only 96"):
         IACTrainer(agents=[tiny_llama, tiny_gpt2], tokenizer=tokenizers(tiny_llama, tiny_gpt2),
                    critics=[tiny_llama, tiny_llama], reward_func=reward_func, train_dataset=train_dataset,
-                   args=IACConfig(num_agents=2, **FAST))
+                   args=IACConfig(num_train_epochs=1, num_agents=2, **FAST))
 
 
 def test_maac_critic_reads_the_first_actors_token_ids(tiny_llama, tiny_gpt2, reward_func, train_dataset):
     with pytest.raises(ValueError, match="the tokenizer given for critic_0 has 128 tokens but the model .* embeds only 96"):
         MAACTrainer(agents=[tiny_gpt2, tiny_llama], tokenizer=tokenizers(tiny_gpt2, tiny_llama), critic_model=tiny_llama,
-                    reward_func=reward_func, train_dataset=train_dataset, args=MAACConfig(num_agents=2, **FAST))
+                    reward_func=reward_func, train_dataset=train_dataset, args=MAACConfig(num_train_epochs=1, num_agents=2, **FAST))
 
 
 @pytest.mark.parametrize("config_class, settings, message", [
@@ -240,14 +240,14 @@ def test_config_fields_carry_help():
 def test_maac_model_config_head(tiny_llama, reward_func, train_dataset):
     common = dict(agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, reward_func=reward_func,
                   train_dataset=train_dataset)
-    trainer = MAACTrainer(model_config={"critic_value_head_hidden_dim": 8}, args=MAACConfig(num_agents=2, **FAST), **common)
+    trainer = MAACTrainer(model_config={"critic_value_head_hidden_dim": 8}, args=MAACConfig(num_train_epochs=1, num_agents=2, **FAST), **common)
     assert [type(m).__name__ for m in trainer.critics[0].value_head.layers] == ["Linear", "GELU", "Linear"]
     with pytest.raises(ValueError, match=r"model_config\['critic_value_head_hidden_dim'\] must be a positive integer or None, got -3"):
-        MAACTrainer(model_config={"critic_value_head_hidden_dim": -3}, args=MAACConfig(num_agents=2, **FAST), **common)
+        MAACTrainer(model_config={"critic_value_head_hidden_dim": -3}, args=MAACConfig(num_train_epochs=1, num_agents=2, **FAST), **common)
     with pytest.raises(ValueError, match=r"model_config has unknown keys \['critic_value_head_hidden_dim'\]"):
         IACTrainer(agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, reward_func=reward_func,
                    train_dataset=train_dataset, model_config={"critic_value_head_hidden_dim": 8},
-                   args=IACConfig(num_agents=2, **FAST))
+                   args=IACConfig(num_train_epochs=1, num_agents=2, **FAST))
 
 
 # ----- stages ------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def test_multi_turn_td_targets_and_stage_shapes(tiny_llama, train_dataset):
     trainer = MAACTrainer(
         agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, external_transition=transition,
         reward_func=lambda c0, c1: [float(len(a)) / 10 for a in c0], train_dataset=train_dataset.select(range(4)),
-        args=MAACConfig(num_agents=2, num_turns=2, discount=0.5, per_device_train_batch_size=2, critic_type="v",
+        args=MAACConfig(num_train_epochs=1, num_agents=2, num_turns=2, discount=0.5, per_device_train_batch_size=2, critic_type="v",
                         normalize_advantages=False, **FAST),
     )
     rollout = trainer.rollout([train_dataset[0], train_dataset[1]])
@@ -282,7 +282,7 @@ def test_q_critic_reads_responses_and_uses_the_other_samples_as_baseline(tiny_ll
     trainer = MAACTrainer(
         agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, train_dataset=train_dataset.select(range(4)),
         reward_func=lambda c0, c1: [float(len(a)) / 10 for a in c0],
-        args=MAACConfig(num_agents=2, num_generations=2, per_device_train_batch_size=2, critic_type="q",
+        args=MAACConfig(num_train_epochs=1, num_agents=2, num_generations=2, per_device_train_batch_size=2, critic_type="q",
                         normalize_advantages=False, **FAST),
     )
     rollout = trainer.rollout([train_dataset[0], train_dataset[1]])
@@ -303,7 +303,7 @@ def test_q_critic_reads_responses_and_uses_the_other_samples_as_baseline(tiny_ll
 def test_stages_can_be_driven_with_another_reward(tiny_llama, reward_func, train_dataset):
     """What a preference trainer does: run the actor-critic stages on its own (learned) reward."""
     trainer = IACTrainer(agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, reward_func=reward_func,
-                         train_dataset=train_dataset, args=IACConfig(num_agents=2, num_generations=2,
+                         train_dataset=train_dataset, args=IACConfig(num_train_epochs=1, num_agents=2, num_generations=2,
                                                                             normalize_advantages=False, **FAST))
     rollout = trainer.rollout([train_dataset[0]])
     rewards = trainer.score(rollout, reward=lambda c0, c1: [2.0] * len(c0))
@@ -322,7 +322,7 @@ def test_dropped_rewards_get_no_advantage_and_no_critic_target(tiny_llama, train
     trainer = MAACTrainer(
         agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, train_dataset=train_dataset,
         reward_func=lambda c0, c1: [math.nan] + [1.0] * (len(c0) - 1),
-        args=MAACConfig(num_agents=2, num_generations=2, invalid_reward="drop", normalize_advantages=False,
+        args=MAACConfig(num_train_epochs=1, num_agents=2, num_generations=2, invalid_reward="drop", normalize_advantages=False,
                         **FAST),
     )
     rollout = trainer.rollout([train_dataset[0]])
@@ -397,7 +397,7 @@ def test_maac_mean_reward_rises_on_the_letters_task(tiny_llama):
 def test_maac_save_and_the_guides_continue_example(tiny_llama, reward_func, train_dataset, tmp_path, monkeypatch):
     trainer = MAACTrainer(agent_model=tiny_llama, num_agents=2, critic_model=tiny_llama, reward_func=reward_func,
                           train_dataset=train_dataset,
-                          args=MAACConfig(num_agents=2, critic_learning_rate=1e-2, **FAST))
+                          args=MAACConfig(num_train_epochs=1, num_agents=2, critic_learning_rate=1e-2, **FAST))
     trainer.train()
     monkeypatch.chdir(tmp_path)
     trainer.save_model("./saved-models/maac-run-1")
@@ -450,7 +450,7 @@ def test_maac_save_and_the_guides_continue_example(tiny_llama, reward_func, trai
 def test_maac_custom_head_needs_the_same_model_config(tiny_llama, reward_func, train_dataset, tmp_path):
     config = {"critic_value_head_hidden_dim": 8}
     common = dict(num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                  args=MAACConfig(num_agents=2, critic_learning_rate=1e-2, **FAST))
+                  args=MAACConfig(num_train_epochs=1, num_agents=2, critic_learning_rate=1e-2, **FAST))
     trainer = MAACTrainer(agent_model=tiny_llama, critic_model=tiny_llama, model_config=config, **common)
     trainer.train()
     trainer.save_model(tmp_path)
@@ -469,7 +469,8 @@ def test_maac_custom_head_needs_the_same_model_config(tiny_llama, reward_func, t
 @pytest.mark.parametrize("separate", [True, False])
 def test_iac_save_and_restore_value_heads(tiny_llama, tiny_gpt2, reward_func, train_dataset, tmp_path, separate):
     heads = dict(critic_value_head_hidden_dim=8) if separate else dict(value_head_hidden_dim=8)
-    settings = dict(num_agents=2, use_separate_critic=separate, critic_learning_rate=1e-2, **heads, **FAST)
+    settings = dict(num_agents=2, use_separate_critic=separate, critic_learning_rate=1e-2, num_train_epochs=1, **heads,
+                    **FAST)
     critics = dict(critics=[tiny_llama, tiny_gpt2]) if separate else {}
     trainer = IACTrainer(agents=[tiny_llama, tiny_gpt2], tokenizer=tokenizers(tiny_llama, tiny_gpt2),
                          reward_func=reward_func, train_dataset=train_dataset, args=IACConfig(**settings), **critics)

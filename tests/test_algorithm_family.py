@@ -106,7 +106,8 @@ def build(model, kind="magrpo", **config):
     from comlrl.trainers import reinforce
 
     name = {"magrpo": "MAGRPO", "mareinforce": "MAREINFORCE", "maremax": "MAReMax", "marloo": "MARLOO"}[kind]
-    settings = dict(num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, agent_learning_rate=3e-3,
+    settings = dict(num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=None,
+                    num_train_epochs=1, agent_learning_rate=3e-3,
                     per_device_train_batch_size=2, disable_tqdm=True, seed=5)
     settings.update(config)
     return getattr(reinforce, f"{name}Trainer")(

@@ -26,7 +26,8 @@ from comlrl.trainers.reinforce import (CentralizedMAGRPOConfig, CentralizedMAGRP
                                        MAGRPOTrainer)
 
 ALL_ROWS = rows(48)
-SMALL = dict(num_agents=2, num_generations=2, max_new_tokens=6, temperature=1.0, agent_learning_rate=3e-3,
+SMALL = dict(num_agents=2, num_generations=2, max_new_tokens=6, num_train_epochs=1, temperature=1.0, top_p=1.0,
+             top_k=None, agent_learning_rate=3e-3,
              per_device_train_batch_size=2, eval_num_samples=2, disable_tqdm=True, seed=0)
 SEPARATED = dict(collaboration_format="separated", section_separator="x")
 
@@ -154,7 +155,7 @@ def test_callbacks_see_roles_as_decentralized_agents_do():
 
 # ----- the config ---------------------------------------------------------------------------------
 def test_config_counts_roles_and_refuses_what_it_cannot_do():
-    config = CentralizedMAGRPOConfig(num_agents=3, device=["cpu"])  # a device per model: one model
+    config = CentralizedMAGRPOConfig(max_new_tokens=32, num_train_epochs=1, num_agents=3, device=["cpu"])  # a device per model: one model
     assert config.num_roles == 3 and config.collaboration_adapter().names == ("agent_0", "agent_1", "agent_2")
     with pytest.raises(ValueError, match="collaboration_mode must be 'centralized'.*use MAGRPOConfig"):
         CentralizedMAGRPOConfig(collaboration_mode="decentralized")
@@ -169,10 +170,10 @@ def test_config_counts_roles_and_refuses_what_it_cannot_do():
 def test_trainer_refuses_several_models_before_loading():
     with pytest.raises(ValueError, match="trains one model for its 2 roles: agents must be a list of one model"):
         CentralizedMAGRPOTrainer(agents=["/nonexistent/a", "/nonexistent/b"], reward_func=letters_reward,
-                                 args=CentralizedMAGRPOConfig())
+                                 args=CentralizedMAGRPOConfig(max_new_tokens=32, num_train_epochs=1))
     with pytest.raises(ValueError, match="disagrees"):
         CentralizedMAGRPOTrainer(agent_model="/nonexistent", num_agents=3, reward_func=letters_reward,
-                                 args=CentralizedMAGRPOConfig(num_agents=2))
+                                 args=CentralizedMAGRPOConfig(max_new_tokens=32, num_train_epochs=1, num_agents=2))
 
 
 # ----- scoring and evaluation ---------------------------------------------------------------------

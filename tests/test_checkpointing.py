@@ -116,13 +116,13 @@ def test_incompatible_settings(tiny_llama, train_dataset, reward_func, tmp_path,
 def test_incompatible_models(tiny_llama, tiny_gpt2, train_dataset, reward_func, tmp_path):
     build(tiny_llama, train_dataset, reward_func, 1).train(checkpoint_dir=tmp_path)
     other = MAGRPOTrainer(agents=[tiny_llama, tiny_gpt2], reward_func=reward_func, train_dataset=train_dataset,
-                          args=MAGRPOConfig(num_agents=2, num_generations=2, per_device_train_batch_size=2, seed=7,
+                          args=MAGRPOConfig(max_new_tokens=32, num_agents=2, num_generations=2, per_device_train_batch_size=2, seed=7,
                                             num_train_epochs=2, disable_tqdm=True))
     with pytest.raises(ValueError, match=r"tokenizer_sizes is \[96, 128\] here but \[96, 96\] in the checkpoint"):
         other.train(resume_from_checkpoint=tmp_path / "checkpoint-1")
     three = MAGRPOTrainer(agent_model=tiny_llama, num_agents=3, reward_func=lambda a, b, c: [0.0] * len(a),
                           train_dataset=train_dataset,
-                          args=MAGRPOConfig(num_agents=3, num_generations=2, per_device_train_batch_size=2, seed=7,
+                          args=MAGRPOConfig(max_new_tokens=32, num_agents=3, num_generations=2, per_device_train_batch_size=2, seed=7,
                                             num_train_epochs=2, disable_tqdm=True))
     with pytest.raises(ValueError, match="num_agents is 3 here but 2 in the checkpoint"):
         three.train(resume_from_checkpoint=tmp_path / "checkpoint-1")

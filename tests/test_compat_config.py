@@ -119,7 +119,7 @@ def test_marlhf_critic_fields_reach_the_policy_config_and_conflicts_raise():
     assert (config.value_loss_coef, config.value_clip_range, config.critic_learning_rate) == (0.6, 0.2, 1e-5)
     assert policy_config(MARLHFConfig(rl_algorithm="iac"), IACConfig).value_loss_coef == IACConfig().value_loss_coef
     with pytest.raises(ValueError, match="value_loss_coef"):
-        MARLHFConfig(value_loss_coef=0.6, policy_overrides={"value_loss_coef": 0.7})
+        MARLHFConfig(value_loss_coef=0.5, policy_overrides={"value_loss_coef": 0.7})
 
 
 def test_pair_selection_all_needs_no_pair_limit():

@@ -13,7 +13,7 @@ from datasets import Dataset
 from comlrl.callbacks import MetricsRecorder
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
-FAST = dict(num_agents=2, num_generations=2, max_new_tokens=4, disable_tqdm=True)
+FAST = dict(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=1, disable_tqdm=True)
 
 
 def rows(count: int) -> Dataset:
@@ -67,8 +67,10 @@ def test_checkpoint_total_limit_keeps_newest_and_the_resumed_one(tiny_llama, tmp
     resumed.train(resume_from_checkpoint=tmp_path / "checkpoint-1", checkpoint_dir=tmp_path,
                   checkpoint_interval=1, checkpoint_total_limit=1)
     assert resumed.state.epoch == 4
-    # newest one kept, and the checkpoint the run resumed from is never deleted
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-4"]
+    # newest one kept, and the checkpoint the run resumed from is never deleted; the abandoned branch's
+    # checkpoint-2 is archived, not deleted
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-4"]
+    assert [p.name for p in (tmp_path / "abandoned").glob("*/*")] == ["checkpoint-2"]
 
 
 # ----- 3. evaluate(num_eval_samples=) ---------------------------------------------------------------
@@ -236,7 +238,7 @@ def test_a_preference_run_takes_the_same_keywords(tiny_llama, train_dataset, rew
     calls = []
     trainer = MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
                             eval_dataset=train_dataset, metrics_callback=lambda samples: calls.append(samples) or {},
-                            args=MARLHFConfig(num_agents=2, num_generations=2, max_new_tokens=4,
+                            args=MARLHFConfig(num_train_epochs=1, num_agents=2, num_generations=2, max_new_tokens=4,
                                               reward_model_device=None, disable_tqdm=True))
     assert trainer.policy_trainer.metrics_callback is not None
     two = trainer.evaluate(num_eval_samples=2)

@@ -5,7 +5,7 @@ from comlrl.trainers import MAGRPOConfig
 
 def test_defaults_are_valid_and_have_help():
     config = MAGRPOConfig()
-    assert config.num_agents == 2 and config.top_k is None
+    assert config.num_agents == 2 and config.top_k == 50  # comlrl 1.4.3's default (test_compat_defaults.py)
     help_texts = MAGRPOConfig.help()
     assert all(help_texts[name] for name in ("num_generations", "temperature", "joint_mode", "discount"))
 

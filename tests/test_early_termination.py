@@ -64,7 +64,7 @@ def test_episode_matrix_of_ended_chains():
 def magrpo(model, transition, reward, **config):
     settings = dict(num_agents=2, num_turns=2, num_generations=2, max_new_tokens=4, temperature=1.0,
                     agent_learning_rate=1e-3, per_device_train_batch_size=4, discount=0.5,
-                    early_termination_threshold=0.5, disable_tqdm=True, seed=1)
+                    early_termination_threshold=0.5, num_train_epochs=1, disable_tqdm=True, seed=1)
     settings.update(config)
     return MAGRPOTrainer(agent_model=model, reward_func=reward, external_transition=transition,
                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), args=MAGRPOConfig(**settings))
@@ -132,7 +132,7 @@ def test_resume_with_early_termination_equals_the_uninterrupted_run(kind, tiny_l
 def test_actor_critic_ended_episodes_have_no_later_targets(tiny_llama):
     trainer = IACTrainer(agent_model=tiny_llama, critic_model=tiny_llama, reward_func=Calls(),
                          external_transition=Transition(), train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                         args=IACConfig(num_agents=2, num_turns=2, max_new_tokens=4, discount=0.5, gae_lambda=1.0,
+                         args=IACConfig(num_train_epochs=1, num_agents=2, num_turns=2, max_new_tokens=4, discount=0.5, gae_lambda=1.0,
                                         early_termination_threshold=0.5, normalize_advantages=False,
                                         disable_tqdm=True, seed=3))
     rows = [trainer.train_dataset[i] for i in range(4)]

@@ -7,7 +7,7 @@ from comlrl.trainers import MAGRPOConfig, MAGRPOTrainer
 
 
 def make(**kwargs):
-    defaults = dict(args=MAGRPOConfig(num_agents=2, max_new_tokens=4, disable_tqdm=True))
+    defaults = dict(args=MAGRPOConfig(num_train_epochs=1, num_agents=2, max_new_tokens=4, disable_tqdm=True))
     defaults.update(kwargs)
     return MAGRPOTrainer(**defaults)
 
@@ -107,7 +107,7 @@ def test_missing_reward_and_dataset(tiny_llama, reward_func, train_dataset):
 def test_multi_turn_needs_transition(tiny_llama, reward_func, train_dataset):
     with pytest.raises(ValueError, match="num_turns=2 needs external_transition"):
         make(agent_model=tiny_llama, reward_func=reward_func, train_dataset=train_dataset,
-             args=MAGRPOConfig(num_turns=2, num_generations=2))
+             args=MAGRPOConfig(max_new_tokens=32, num_train_epochs=1, num_turns=2, num_generations=2))
 
 
 def test_unknown_model_config_key(tiny_llama, reward_func, train_dataset):

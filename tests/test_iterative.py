@@ -30,7 +30,8 @@ from comlrl.trainers.preference import replay
 from comlrl.trainers.preference.comparators import APISettings, ComparatorAPIError, post_json, sampled_ids
 
 PROMPTS = ["write about the cat", "write about the sun", "write about the tree", "write about the road"]
-TINY = dict(num_agents=2, num_generations=3, max_new_tokens=5, temperature=1.0, agent_learning_rate=1e-2,
+TINY = dict(num_agents=2, num_generations=3, max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=None,
+            num_iterations=2, pair_selection="reward_gap", agent_learning_rate=1e-2,
             dpo_batch_size=4, disable_tqdm=True, seed=3, max_pairs_per_prompt=2)
 
 
@@ -340,8 +341,8 @@ def test_api_retries_transient_failures_only(endpoint):
 def test_marlhf_iter_with_a_model_comparator_and_replay(tiny_llama, tiny_llama_b):
     trainer = MARLHFIterTrainer(
         agent_model=tiny_llama, reward_func=letters_reward, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        args=MARLHFIterConfig(num_agents=2, num_generations=3, max_new_tokens=5, temperature=1.0,
-                              reward_model_device=None, disable_tqdm=True, per_device_train_batch_size=2,
+        args=MARLHFIterConfig(num_agents=2, num_generations=3, max_new_tokens=5, temperature=1.0, top_p=1.0,
+                              top_k=None, num_train_epochs=1, pair_selection="reward_gap", reward_model_device=None, disable_tqdm=True, per_device_train_batch_size=2,
                               reward_train_epochs=1, num_iterations=2, comparator_policy="model",
                               comparator_model_name=tiny_llama_b, preference_replay_mode="all"))
     trainer.train()
@@ -362,8 +363,8 @@ def test_madpo_iter_learns_letters(tiny_llama):
     trainer = MADPOIterTrainer(
         agent_model=tiny_llama, reward_func=letters_reward, train_dataset=Dataset.from_list(data[:32]),
         eval_dataset=Dataset.from_list(data[40:48]),
-        args=MADPOIterConfig(num_agents=2, num_generations=4, max_new_tokens=12, temperature=1.0,
-                             agent_learning_rate=1e-2, num_iterations=2, dpo_batch_size=8, max_pairs_per_prompt=4,
+        args=MADPOIterConfig(num_agents=2, num_generations=4, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=None,
+                             pair_selection="reward_gap", agent_learning_rate=1e-2, num_iterations=2, dpo_batch_size=8, max_pairs_per_prompt=4,
                              eval_num_samples=8, disable_tqdm=True, seed=0))
     before = trainer.evaluate()["eval/reward_mean"]
     trainer.train()

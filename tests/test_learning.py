@@ -25,7 +25,8 @@ from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 ALL_ROWS = rows(48)
 TRAIN = Dataset.from_list(ALL_ROWS[:32])
 HELD_OUT = Dataset.from_list(ALL_ROWS[40:48])  # prompts 40-47 of the task's 48: never trained on
-COMMON = dict(num_agents=2, num_generations=4, max_new_tokens=16, temperature=1.0, agent_learning_rate=3e-3,
+COMMON = dict(num_agents=2, num_generations=4, max_new_tokens=16, temperature=1.0, top_p=1.0, top_k=None,
+              agent_learning_rate=3e-3,
               num_train_epochs=3, per_device_train_batch_size=2, eval_num_samples=8, disable_tqdm=True)
 PREFERENCE = dict(COMMON, max_new_tokens=12, num_train_epochs=4, preference_num_generations=8, max_pairs_per_prompt=12,
                   reward_learning_rate=1e-3, reward_train_epochs=4, reward_model_device=None)

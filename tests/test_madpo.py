@@ -15,8 +15,8 @@ from comlrl.tasks.letters import letters_reward, rows
 from comlrl.trainers.preference import MADPOConfig, MADPOTrainer
 
 PROMPTS = ["write about the cat", "write about the sun", "write about the tree", "write about the road"]
-TINY = dict(num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, agent_learning_rate=1e-2,
-            per_device_train_batch_size=2, disable_tqdm=True, seed=3)
+TINY = dict(num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=None,
+            agent_learning_rate=1e-2, per_device_train_batch_size=2, disable_tqdm=True, seed=3)
 
 
 def sigmoid(x: float) -> float:
@@ -161,8 +161,8 @@ def test_madpo_learns_letters(tiny_llama):
     trainer = MADPOTrainer(
         agent_model=tiny_llama, reward_func=letters_reward, train_dataset=Dataset.from_list(data[:32]),
         eval_dataset=Dataset.from_list(data[40:48]),
-        args=MADPOConfig(num_agents=2, num_generations=4, max_new_tokens=12, temperature=1.0, agent_learning_rate=1e-2,
-                         num_train_epochs=2, per_device_train_batch_size=4, eval_num_samples=8, disable_tqdm=True,
+        args=MADPOConfig(num_agents=2, num_generations=4, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=None,
+                         agent_learning_rate=1e-2, num_train_epochs=2, per_device_train_batch_size=4, eval_num_samples=8, disable_tqdm=True,
                          seed=0))
     before = trainer.evaluate()["eval/reward_mean"]
     trainer.train()

@@ -131,6 +131,10 @@ class MultiAgentTrainer(TrainingLoop):
             raise ValueError(f"num_turns={self.args.num_turns} needs external_transition to produce the next turn's prompts")
         if external_transition is not None and not callable(external_transition):
             raise ValueError("external_transition must be callable")
+        if external_transition is not None and self.args.num_turns == 1 and not self.args.was_given("num_turns"):
+            raise ValueError(
+                f"external_transition is given but {type(self.args).__name__}.num_turns was left at its default, 1, so the "
+                "transition would never run (comlrl 1.4.3's default was 2 turns); set num_turns explicitly")
         self.formatters = resolve_formatters(formatters, self.num_agents)
         self.data_parallel = distributed.current()
         # The dataset may come later (``trainer.train_dataset = ...`` before train()); it is checked when it does.

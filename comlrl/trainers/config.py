@@ -16,10 +16,10 @@ class RolloutConfig(ConfigBase):
     num_agents: int = option(2, "Number of agents; must agree with the constructor's num_agents and len(agents).", min=1)
     num_turns: int = option(1, "Turns per episode; >1 needs an external_transition.", min=1)
     num_generations: int = option(4, "Completions sampled per prompt and agent (the group size).", min=1)
-    temperature: float = option(0.7, "Sampling temperature.", min=0.0, min_exclusive=True)
-    top_p: float = option(1.0, "Nucleus-sampling probability mass (1.0 = off).", min=0.0, max=1.0, min_exclusive=True)
-    top_k: int | None = option(None, "Top-k sampling cut-off (None = off).", min=1, kind=int, optional=True)
-    max_new_tokens: int = option(32, "Maximum tokens generated per completion.", min=1)
+    temperature: float = option(0.6, "Sampling temperature.", min=0.0, min_exclusive=True)
+    top_p: float = option(0.6, "Nucleus-sampling probability mass (1.0 = off).", min=0.0, max=1.0, min_exclusive=True)
+    top_k: int | None = option(50, "Top-k sampling cut-off (None = off).", min=1, kind=int, optional=True)
+    max_new_tokens: int = option(256, "Maximum tokens generated per completion.", min=1)
     generation_backend: str = option(
         "comlrl", "How completions are decoded: 'comlrl' (comlrl.rollout.sampling.decode: the sampling loop of generate without "
         "its per-token machinery, same tokens for the same RNG state) or 'transformers' (model.generate, for models "
@@ -32,12 +32,12 @@ class RolloutConfig(ConfigBase):
     lr_scheduler_type: str = option("constant", "Learning-rate schedule of every optimizer (transformers.get_scheduler).",
                                     choices=("constant", "constant_with_warmup", "linear", "cosine"))
     warmup_steps: int = option(0, "Optimizer steps of linear warm-up (schedules with warm-up).", min=0)
-    num_train_epochs: int = option(1, "Passes over train_dataset (counts the whole run when resuming).", min=1)
+    num_train_epochs: int = option(20, "Passes over train_dataset (counts the whole run when resuming).", min=1)
     per_device_train_batch_size: int = option(1, "Prompts per rollout batch.", min=1)
     gradient_accumulation_steps: int = option(1, "Rollout batches per optimizer step.", min=1)
     max_grad_norm: float | None = option(1.0, "Clip each agent's gradient norm to this (None = no clipping).", min=0.0,
                                          min_exclusive=True, kind=(int, float), optional=True)
-    discount: float = option(0.9, "Discount of later turns' rewards in multi-turn returns.", min=0.0, max=1.0)
+    discount: float = option(1.0, "Discount of later turns' rewards in multi-turn returns.", min=0.0, max=1.0)
     external_prompt_passthrough: bool = option(False, "Use the transition's prompts as they are, without the formatters.")
     reward_weights: list | None = option(None, "Weights of several reward functions (None = all 1.0).", kind=list, optional=True)
     seed: int = option(42, "Seed of data order, sampling and initialisation.", min=0)

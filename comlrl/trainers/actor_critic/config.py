@@ -16,6 +16,8 @@ class ActorCriticConfig(RolloutConfig):
         None, "Completions sampled per prompt and agent (None = 4 with one turn, 1 with several: multi-turn "
         "actor-critic follows one chain per prompt). Several samples of a prompt give the actor a within-prompt "
         "comparison (measured on letters: eval 0.15-0.24 with 1, 0.42-0.63 with 4).", min=1, kind=int, optional=True)
+    top_k: int | None = option(None, "Top-k sampling cut-off (None = off).", min=1, kind=int, optional=True)
+    num_train_epochs: int = option(40, "Passes over train_dataset (counts the whole run when resuming).", min=1)
     critic_type: str = option(
         "v", "Critic target: 'v' values the context V(h), 'q' the context plus the completion Q(h, a); a Q critic's "
         "baseline for a completion is the mean Q of the other completions of its prompt (needs num_generations >= 2).",
@@ -23,9 +25,9 @@ class ActorCriticConfig(RolloutConfig):
     critic_learning_rate: float | None = option(
         5e-6, "AdamW learning rate of the separate critics' backbones (None = agent_learning_rate, as in the "
         "original comlrl).", min=0.0, min_exclusive=True, kind=(int, float), optional=True)
-    value_loss_coef: float = option(0.5, "Weight of the critic's MSE loss.", min=0.0, min_exclusive=True)
+    value_loss_coef: float = option(0.6, "Weight of the critic's MSE loss.", min=0.0, min_exclusive=True)
     value_clip_range: float | None = option(
-        None, "Clip each value to within this distance of its rollout-time value in the critic loss (None = off).",
+        0.2, "Clip each value to within this distance of its rollout-time value in the critic loss (None = off).",
         min=0.0, min_exclusive=True, kind=(int, float), optional=True,
     )
     critic_update_epochs: int = option(

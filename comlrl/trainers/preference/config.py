@@ -33,7 +33,7 @@ class MARLHFConfig(MAGRPOConfig):
     reward_model_device_fallback: bool = option(
         False, "If reward_model_device is missing (e.g. no CUDA), use the trainer's device with a warning instead of failing.")
     reward_freeze_backbone: bool = option(False, "Train only the reward model's scalar head.")
-    reward_learning_rate: float = option(1e-4, "AdamW learning rate of the reward model.", min=0.0, min_exclusive=True)
+    reward_learning_rate: float = option(1e-5, "AdamW learning rate of the reward model.", min=0.0, min_exclusive=True)
     reward_train_epochs: int = option(3, "Epochs over the preference pairs per reward fit.", min=1,
                                       aliases=("reward_num_train_epochs",))
     reward_batch_size: int = option(8, "Preference pairs per reward-model step.", min=1,
@@ -80,16 +80,16 @@ class MARLHFConfig(MAGRPOConfig):
     # defaults are those configs' defaults, so leaving them unset changes nothing.
     critic_type: str = option("v", "Policy-stage critic target, 'v' or 'q' (see ActorCriticConfig).", choices=("v", "q"))
     critic_learning_rate: float | None = option(
-        5e-6, "Policy-stage critic learning rate (None = agent_learning_rate, as in the original comlrl).", min=0.0,
+        None, "Policy-stage critic learning rate (None = agent_learning_rate, as in the original comlrl).", min=0.0,
         min_exclusive=True, kind=(int, float), optional=True)
     critic_device: str | list | None = option(
         None, "Placement of the policy stage's critics (see ActorCriticConfig.critic_device).", kind=(str, list),
         optional=True, aliases=("critic_devices",))
     use_separate_critic: bool = option(True, "IAC policy stage: separate critic models (see IACConfig).")
-    value_loss_coef: float = option(0.5, "Policy-stage weight of the critic loss (see ActorCriticConfig).", min=0.0,
+    value_loss_coef: float = option(0.6, "Policy-stage weight of the critic loss (see ActorCriticConfig).", min=0.0,
                                     min_exclusive=True)
     value_clip_range: float | None = option(
-        None, "Policy-stage value clipping (see ActorCriticConfig; None = off).", min=0.0, min_exclusive=True,
+        0.2, "Policy-stage value clipping (see ActorCriticConfig; None = off).", min=0.0, min_exclusive=True,
         kind=(int, float), optional=True)
     critic_value_head_hidden_dim: int | None = option(
         None, "IAC policy stage: separate critics' value-head width (see IACConfig).", min=1, kind=int, optional=True)
@@ -134,6 +134,12 @@ class MARLHFIterConfig(MARLHFConfig, IterativeOptions):
 
     preference_scoring_reward: str = not_supported_yet(
         "task", "Which reward labels the pairs: only 'task' (the original's 'reward_model' is not supported).")
+    # comlrl 1.4.3's MARLHFIterConfig defaults (per iteration: 2 policy epochs).
+    num_iterations: int = option(6, "Rounds of collect -> fit -> policy (counts the whole run).", min=1)
+    num_train_epochs: int = option(2, "Policy-stage passes over train_dataset per iteration.", min=1)
+    pair_selection: str = option(
+        "comparator_reward", "Which pairs of a prompt are kept (see MARLHFConfig.pair_selection); by default those "
+        "whose comparator-side candidate scored highest first.", choices=PAIR_SELECTIONS)
 
     def __post_init__(self) -> None:
         normalise_values(self)

@@ -76,7 +76,11 @@ class MADPOIterConfig(MADPOConfig, IterativeOptions):
     """Iterative MADPO: ``num_iterations`` rounds of (collect pairs against the comparator -> DPO on a replay
     of the pair shards); see docs/algorithms.md, "Iterative preference training"."""
 
-    num_iterations: int = option(2, "Rounds of collect -> DPO (counts the whole run when resuming).", min=1)
+    num_iterations: int = option(6, "Rounds of collect -> DPO (counts the whole run when resuming).", min=1)
+    pair_selection: str = option(
+        "comparator_reward", "Which pairs of a prompt are kept (see MADPOConfig.pair_selection); by default those whose "
+        "comparator-side candidate scored highest first (comlrl 1.4.3's MADPOIterConfig default).",
+        choices=PAIR_SELECTIONS)
     num_train_epochs: int = option(1, "DPO passes over each iteration's training pairs.", min=1)
     dpo_batch_size: int = option(8, "Pairs per DPO micro-batch (the original's train_batch_size).", min=1)
     num_preference_prompts: int | None = option(
