@@ -24,7 +24,7 @@ def test_spec_homogeneous_example(tiny_llama, reward_func, train_dataset):
         num_agents=3,
         reward_func=lambda c0, c1, c2: [0.0] * len(c0),
         train_dataset=train_dataset,
-        args=MAGRPOConfig(num_agents=3, num_turns=1, temperature=0.7, top_p=0.9, top_k=None, **FAST),
+        args=MAGRPOConfig(num_train_epochs=1, num_agents=3, num_turns=1, temperature=0.7, top_p=0.9, top_k=None, **FAST),
     )
     assert len(trainer.agents) == 3
     history = trainer.train()
@@ -37,7 +37,7 @@ def test_spec_heterogeneous_example(tiny_llama, tiny_gpt2, reward_func, train_da
         agents=[tiny_llama, tiny_gpt2],
         reward_func=reward_func,
         train_dataset=train_dataset,
-        args=MAGRPOConfig(num_agents=2, num_turns=1, temperature=0.7, top_p=0.9, top_k=None, **FAST),
+        args=MAGRPOConfig(num_train_epochs=1, num_agents=2, num_turns=1, temperature=0.7, top_p=0.9, top_k=None, **FAST),
     )
     assert [len(t) for t in trainer.tokenizers] == [96, 128]  # different vocabularies
     assert type(trainer.agents[0]).__name__ == "LlamaForCausalLM"
@@ -75,7 +75,7 @@ def test_learning_rises_on_a_joint_reward(tiny_llama, reward_func, train_dataset
 def test_save_model_layout_and_continue_from_saved(tiny_llama, reward_func, train_dataset, tmp_path, monkeypatch):
     trainer = MAGRPOTrainer(
         agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-        args=MAGRPOConfig(num_agents=2, agent_learning_rate=1e-3, **FAST),
+        args=MAGRPOConfig(num_train_epochs=1, num_agents=2, agent_learning_rate=1e-3, **FAST),
     )
     trainer.train()
     monkeypatch.chdir(tmp_path)
@@ -178,7 +178,7 @@ def test_formatters_and_missing_fields(tiny_llama, train_dataset):
     trainer = MAGRPOTrainer(
         agent_model=tiny_llama, num_agents=2, reward_func=reward, train_dataset=train_dataset,
         formatters=[lambda row: "plan: " + row["prompt"], lambda row: "write: " + row["prompt"]],
-        args=MAGRPOConfig(num_agents=2, **FAST),
+        args=MAGRPOConfig(num_train_epochs=1, num_agents=2, **FAST),
     )
     rollout = trainer.rollout([train_dataset[0]])
     assert rollout.turns[0].prompts == [["plan: " + train_dataset[0]["prompt"]], ["write: " + train_dataset[0]["prompt"]]]
@@ -186,7 +186,7 @@ def test_formatters_and_missing_fields(tiny_llama, train_dataset):
     with pytest.raises(ValueError, match="row 0 has no field 'question' needed by the formatter of agent 0"):
         MAGRPOTrainer(
             agent_model=tiny_llama, num_agents=2, reward_func=reward, train_dataset=train_dataset,
-            formatters=lambda row: row["question"], args=MAGRPOConfig(num_agents=2, **FAST),
+            formatters=lambda row: row["question"], args=MAGRPOConfig(num_train_epochs=1, num_agents=2, **FAST),
         )
 
 
@@ -194,7 +194,7 @@ def test_evaluate_does_not_disturb_training_randomness(tiny_llama, reward_func, 
     def build():
         return MAGRPOTrainer(
             agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-            eval_dataset=train_dataset, args=MAGRPOConfig(num_agents=2, seed=3, **FAST),
+            eval_dataset=train_dataset, args=MAGRPOConfig(num_train_epochs=1, num_agents=2, seed=3, **FAST),
         )
 
     plain, evaluated = build(), build()
@@ -206,6 +206,6 @@ def test_evaluate_does_not_disturb_training_randomness(tiny_llama, reward_func, 
 def test_single_agent_is_grpo(tiny_llama, train_dataset):
     trainer = MAGRPOTrainer(
         agent_model=tiny_llama, num_agents=1, reward_func=lambda c: [len(x) for x in c], train_dataset=train_dataset,
-        args=MAGRPOConfig(num_agents=1, **FAST),
+        args=MAGRPOConfig(num_train_epochs=1, num_agents=1, **FAST),
     )
     assert len(trainer.train()) == len(train_dataset)

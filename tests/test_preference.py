@@ -14,8 +14,8 @@ from comlrl.models.reward_model import JointRewardModel, fit_reward_model, prefe
 from comlrl.trainers import MARLHFConfig as ReexportedConfig
 from comlrl.trainers.preference import MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
 
-FAST = dict(num_generations=4, max_new_tokens=8, temperature=1.0, reward_model_device=None, disable_tqdm=True,
-            per_device_train_batch_size=2, reward_train_epochs=2)
+FAST = dict(num_generations=4, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=None, reward_model_device=None,
+            disable_tqdm=True, per_device_train_batch_size=2, reward_train_epochs=2, reward_learning_rate=1e-4)
 
 
 def test_reexported():
@@ -53,6 +53,7 @@ def test_spec_example_fails_fast_without_cuda_then_runs_with_fallback(tiny_llama
             reward_model_device="cuda:1",
             reward_model_device_fallback=True,
             max_new_tokens=6,
+            num_train_epochs=1,
             disable_tqdm=True,
         ),
     )
@@ -64,7 +65,7 @@ def test_spec_example_fails_fast_without_cuda_then_runs_with_fallback(tiny_llama
 
 def test_reward_model_defaults_to_first_actor(tiny_llama, train_dataset, reward_func):
     trainer = MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func,
-                            train_dataset=train_dataset, args=MARLHFConfig(num_agents=2, **FAST))
+                            train_dataset=train_dataset, args=MARLHFConfig(num_train_epochs=1, num_agents=2, **FAST))
     assert trainer.reward_model_source == tiny_llama
 
 
@@ -78,7 +79,7 @@ def test_object_actors_need_reward_model_name(tiny_llama, train_dataset, reward_
     assert not models[0].name_or_path
     with pytest.raises(ValueError, match="reward_model_name is required when the actors are model objects"):
         MARLHFTrainer(agents=models, tokenizer=AutoTokenizer.from_pretrained(tiny_llama), reward_func=reward_func,
-                      train_dataset=train_dataset, args=MARLHFConfig(num_agents=2, **FAST))
+                      train_dataset=train_dataset, args=MARLHFConfig(num_train_epochs=1, num_agents=2, **FAST))
 
 
 def test_ranked_pairs_drop_ties_and_keep_widest():
@@ -137,7 +138,7 @@ def test_iter_trainer_reloads_the_reward_model_each_iteration(tiny_llama, train_
 
     monkeypatch.setattr(JointRewardModel, "load", classmethod(recording_load))
     trainer = MARLHFIterTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                                args=MARLHFConfig(num_agents=2, num_iterations=2, agent_learning_rate=1e-3, **FAST))
+                                args=MARLHFConfig(num_train_epochs=1, num_agents=2, num_iterations=2, agent_learning_rate=1e-3, **FAST))
     trainer.train()
     assert len(loads) == 2
     source = AutoModelForCausalLM.from_pretrained(tiny_llama).state_dict()
@@ -151,7 +152,7 @@ def test_iter_trainer_reloads_the_reward_model_each_iteration(tiny_llama, train_
 
 def test_output_layout_and_resume_subdirectory(tiny_llama, train_dataset, reward_func, tmp_path):
     out = tmp_path / "pbrl"
-    args = MARLHFConfig(num_agents=2, output_dir=str(out), **FAST)
+    args = MARLHFConfig(num_train_epochs=1, num_agents=2, output_dir=str(out), **FAST)
     trainer = MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
                             args=args)
     trainer.train(checkpoint_dir=tmp_path / "ckpt")
@@ -202,7 +203,7 @@ def test_early_stopping_keeps_the_best_heldout_epoch(tiny_llama):
 
 def guarded_trainer(tiny_llama, train_dataset, reward_func):
     trainer = MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                            args=MARLHFConfig(num_agents=2, agent_learning_rate=1e-2, **FAST))
+                            args=MARLHFConfig(num_train_epochs=1, num_agents=2, agent_learning_rate=1e-2, **FAST))
     trainer.run_next_stage()  # collect
     trainer.run_next_stage()  # fit
     return trainer
@@ -235,7 +236,7 @@ def test_bit_exact_resume_across_an_iteration_boundary(tiny_llama, train_dataset
     def build(iterations):
         return MARLHFIterTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func,
                                  train_dataset=train_dataset,
-                                 args=MARLHFConfig(num_agents=2, num_iterations=iterations, seed=5,
+                                 args=MARLHFConfig(num_train_epochs=1, num_agents=2, num_iterations=iterations, seed=5,
                                                    agent_learning_rate=1e-3, **FAST))
 
     straight = build(2)
@@ -258,7 +259,7 @@ def test_bit_exact_resume_across_an_iteration_boundary(tiny_llama, train_dataset
 def test_actor_critic_policy_stage(tiny_llama, tiny_llama_b, train_dataset, reward_func, rl_algorithm, overrides):
     trainer = MARLHFTrainer(
         agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-        args=MARLHFConfig(num_agents=2, rl_algorithm=rl_algorithm, policy_overrides={"num_generations": 1, **overrides},
+        args=MARLHFConfig(num_train_epochs=1, num_agents=2, rl_algorithm=rl_algorithm, policy_overrides={"num_generations": 1, **overrides},
                           **FAST),
     )
     policy = trainer.policy_trainer
@@ -271,7 +272,7 @@ def test_actor_critic_policy_stage(tiny_llama, tiny_llama_b, train_dataset, rewa
     # critic_model_name in the config selects another backbone
     other = MARLHFTrainer(
         agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-        args=MARLHFConfig(num_agents=2, rl_algorithm="maac", critic_model_name=tiny_llama_b,
+        args=MARLHFConfig(num_train_epochs=1, num_agents=2, rl_algorithm="maac", critic_model_name=tiny_llama_b,
                           policy_overrides={"num_generations": 1}, **FAST),
     )
     assert other.policy_trainer.critics[0].name_or_path == tiny_llama_b
@@ -280,15 +281,15 @@ def test_actor_critic_policy_stage(tiny_llama, tiny_llama_b, train_dataset, rewa
 def test_critic_arguments_are_refused_for_magrpo(tiny_llama, train_dataset, reward_func):
     with pytest.raises(ValueError, match="apply only to rl_algorithm 'maac' or 'iac'"):
         MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                      critic_model=tiny_llama, args=MARLHFConfig(num_agents=2, **FAST))
+                      critic_model=tiny_llama, args=MARLHFConfig(num_train_epochs=1, num_agents=2, **FAST))
     with pytest.raises(ValueError, match=r"policy_overrides has fields \['critic_type'\] that MAGRPOConfig does not define"):
         MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                      args=MARLHFConfig(num_agents=2, policy_overrides={"critic_type": "q"}, **FAST))
+                      args=MARLHFConfig(num_train_epochs=1, num_agents=2, policy_overrides={"critic_type": "q"}, **FAST))
 
 
 def test_collection_follows_the_rollout_settings(tiny_llama, train_dataset, reward_func):
     """Preference collection samples through the policy's RolloutSpec: prompt_overflow='error' holds there too."""
     trainer = MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=reward_func, train_dataset=train_dataset,
-                            args=MARLHFConfig(num_agents=2, max_prompt_length=2, prompt_overflow="error", **FAST))
+                            args=MARLHFConfig(num_train_epochs=1, num_agents=2, max_prompt_length=2, prompt_overflow="error", **FAST))
     with pytest.raises(ValueError, match="prompt 0 has .* tokens but only 2 fit"):
         trainer.run_next_stage()
