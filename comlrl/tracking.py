@@ -1,11 +1,26 @@
-"""MLflow tracking of training runs: the run, buffered metrics, artifacts and the model registry.
+"""MLflow tracking of training runs: the run, metrics and artifacts through a spool, the registry.
 
 MLflow is optional (the ``pipeline`` extra); it is imported only when one of these is used.
 
 - :func:`open_run` finds or creates the MLflow run of a pipeline run (a resumed run logs into
   the run recorded in its checkpoint's metadata, see ``trainer.run_identity["mlflow"]``).
-- :class:`MLflowCallback` sends the trainer's metrics; a tracking outage never stops training:
-  metrics stay buffered (bounded) and are sent with the next successful call or at the end.
+- :class:`MLflowCallback` sends the trainer's metrics (and, through it, params, tags, artifacts
+  and the run's final status) without ever waiting for the tracking server: a send appends to
+  an in-memory queue; a background thread writes the queue to an on-disk spool
+  (:mod:`comlrl.tracking_spool`, one ``fsync`` per batch) and delivers the spool to the same
+  MLflow run, metrics with their original step and timestamp, retrying while the server is down.
+  A tracking outage therefore never slows or stops training. At the end (``on_train_end``,
+  :meth:`MLflowCallback.close`, or interpreter exit) the process waits at most
+  ``drain_timeout`` seconds in all for delivery (and up to a second more to stop the sender);
+  whatever is still undelivered stays in the spool, with one warning naming it and the command
+  ``comlrl sync <spool-or-run-dir>`` that replays it (:func:`comlrl.tracking_spool.replay`).
+  Replay is idempotent: the spool records the byte offset the store acknowledged, so nothing
+  already delivered is sent again.
+- While a callback is open for an MLflow run, :func:`log_params`, :func:`log_artifact` and
+  :func:`finish_run` for that run go through its spool too; otherwise they call MLflow directly.
+- MLflow's HTTP client retries a failed call for about four minutes by default; the first
+  :func:`open_run` or callback bounds it (:data:`HTTP_BOUNDS`, unless the environment already
+  sets those variables).
 - :func:`register_agents` logs each agent as an MLflow ``transformers`` model, registers one
   model per agent role (``<name>-agent-<i>``) with run/algorithm/spec-hash tags and sets an
   alias (``candidate``); :func:`promote` moves ``champion`` to the candidate versions.
@@ -13,13 +28,15 @@ MLflow is optional (the ``pipeline`` extra); it is imported only when one of the
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any, Sequence
 
 from comlrl.callbacks import TrainerCallback
+from comlrl.tracking_spool import Sender, Spool
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +44,27 @@ RUN_KEY_TAG = "comlrl.run_id"
 # mlflow.transformers cannot infer requirements here (it trips over the missing torchvision),
 # and a consumer needs only these to load an agent.
 MODEL_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "accelerate"]
+# MLflow's own defaults (7 retries, backoff factor 2, 120 s timeout) keep one failed call going
+# for about four minutes. The sender retries by itself, so a call may fail fast: one immediate
+# retry (urllib3 waits only before the second) and 30 s without an answer.
+HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
+class TrackingUnavailable(RuntimeError):
+    """The tracking server did not take a run's records in time; they wait in ``spool``."""
+
+    def __init__(self, message: str, spool: Path) -> None:
+        super().__init__(message)
+        self.spool = spool
+
+
+def bound_http_retries() -> dict[str, str]:
+    """Set :data:`HTTP_BOUNDS` for this process where the environment does not set them; returns
+    what was set. MLflow reads these variables at every call."""
+    applied = {key: value for key, value in HTTP_BOUNDS.items() if key not in os.environ}
+    os.environ.update(applied)
+    return applied
 
 
 def _client(tracking_uri: str) -> Any:
@@ -65,6 +103,7 @@ def open_run(
     ``identity`` (from a checkpoint's metadata) wins; otherwise a run tagged with ``run_key``
     is reused (a run that failed before its first checkpoint); otherwise a new run starts.
     """
+    bound_http_retries()
     client = _client(tracking_uri)
     if identity and identity.get("run_id"):
         run = client.get_run(identity["run_id"])
@@ -94,8 +133,17 @@ def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return flat
 
 
+def open_callback(identity: dict[str, Any]) -> "MLflowCallback | None":
+    """The open :class:`MLflowCallback` of ``identity``'s MLflow run in this process, if any."""
+    return _OPEN.get(identity.get("run_id", ""))
+
+
 def log_params(identity: dict[str, Any], params: dict[str, Any]) -> None:
-    """Log (nested) params once; a resumed run re-logging the same values is a no-op."""
+    """Log (nested) params once; a resumed run re-logging the same values is a no-op.
+    Spooled when a callback is open for the run."""
+    if (callback := open_callback(identity)) is not None:
+        callback.log_params(params)
+        return
     from mlflow.entities import Param
 
     client = _client(identity["tracking_uri"])
@@ -106,74 +154,135 @@ def log_params(identity: dict[str, Any], params: dict[str, Any]) -> None:
 
 
 def log_artifact(identity: dict[str, Any], path: str | Path, artifact_path: str | None = None) -> None:
+    """Log a file or folder; spooled (copied at once by the sender) when a callback is open for the run."""
+    if (callback := open_callback(identity)) is not None:
+        callback.log_artifact(path, artifact_path)
+        return
     _client(identity["tracking_uri"]).log_artifact(identity["run_id"], str(path), artifact_path)
 
 
 def finish_run(identity: dict[str, Any], status: str = "FINISHED") -> None:
+    """Set the run's final status; spooled (after everything logged before it) when a callback is open."""
+    if (callback := open_callback(identity)) is not None:
+        callback.set_status(status)
+        return
     _client(identity["tracking_uri"]).set_terminated(identity["run_id"], status=status)
 
 
-class MLflowCallback(TrainerCallback):
-    """Sends every ``on_log`` metrics dict to an MLflow run, buffering through outages.
+# MLflow run id -> the callback delivering that run's spool in this process.
+_OPEN: dict[str, "MLflowCallback"] = {}
 
-    A failed send keeps the metrics (at most ``max_buffered``; the oldest are dropped and
-    counted beyond that) and logs one warning per outage; the next successful send, each
-    epoch end and :meth:`flush` deliver the backlog. Training never fails because of tracking.
+
+class MLflowCallback(TrainerCallback):
+    """Sends every ``on_log`` metrics dict to an MLflow run through a spool; never waits on MLflow
+    during training (see the module docstring).
+
+    ``spool_dir``: the spool lives in ``spool_dir/<mlflow run id>/`` (default
+    ``.comlrl/tracking`` under the working directory; the pipeline uses ``runs/<run_id>/tracking``).
+    ``drain_timeout``: the most seconds all end-of-run waits for delivery take together.
+    ``retry_interval`` / ``max_retry_interval``: the sender's backoff while the server is down.
+    A spool left by an earlier process for the same run is delivered first.
     """
 
-    def __init__(self, identity: dict[str, Any], max_buffered: int = 100_000, retry_interval: float = 5.0) -> None:
+    def __init__(self, identity: dict[str, Any], spool_dir: str | Path | None = None, drain_timeout: float = 20.0,
+                 retry_interval: float = 1.0, max_retry_interval: float = 5.0) -> None:
+        if drain_timeout < 0:
+            raise ValueError(f"MLflowCallback drain_timeout must be >= 0 seconds, got {drain_timeout}")
+        bound_http_retries()
         self.identity = identity
-        self.buffer: deque[Any] = deque()
-        self.max_buffered = max_buffered
-        self.retry_interval = retry_interval
-        self.dropped = 0
-        self.failures = 0
-        self._next_try = 0.0
-        self._client = None
+        self.drain_timeout = drain_timeout
+        self._wait_left = drain_timeout
+        directory = Path(spool_dir if spool_dir is not None else Path(".comlrl") / "tracking") / identity["run_id"]
+        if (previous := _OPEN.get(identity["run_id"])) is not None:
+            # A new flow run of the same run in this process (a resume): the new callback takes over;
+            # what the old one still holds stays in the shared spool and is delivered by the new one.
+            same = previous.spool.directory.resolve() == directory.resolve()
+            previous.close(timeout=0.0 if same else None, warn=not same)
+        self.spool = Spool(directory, identity)
+        self.sender = Sender(self.spool, identity["tracking_uri"], retry_interval=retry_interval,
+                             max_retry_interval=max_retry_interval)
+        self.closed = False
+        _OPEN[identity["run_id"]] = self
 
+    # ----- what the trainer and the flow send: queue appends ------------------------------------
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
-        from mlflow.entities import Metric
-
         now_ms = int(time.time() * 1000)
-        for name, value in metrics.items():
-            self.buffer.append(Metric(name.replace("@", "_"), float(value), now_ms, int(step)))
-        while len(self.buffer) > self.max_buffered:
-            self.buffer.popleft()
-            self.dropped += 1
-        if time.monotonic() >= self._next_try:
-            self.flush()
+        self._put({"metrics": [[name.replace("@", "_"), float(value), now_ms, int(step)]
+                               for name, value in metrics.items()]})
 
-    def on_epoch_end(self, trainer: Any, epoch: int) -> None:
-        self.flush()
+    def log_params(self, params: dict[str, Any]) -> None:
+        self._put({"params": [[key, value] for key, value in flatten(params).items()]})
 
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self._put({"tags": [[key, str(value)[:5000]] for key, value in tags.items()]})
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self._put({"artifact_source": str(Path(path).resolve()), "artifact_path": artifact_path})
+
+    def set_status(self, status: str = "FINISHED") -> None:
+        self._put({"status": status, "end_time": int(time.time() * 1000)})
+
+    def _put(self, record: dict[str, Any]) -> None:
+        self.sender.put(record)
+        if self.closed:  # nobody delivers any more: keep it in the spool for `comlrl sync`
+            self.sender.spool_queued()
+            logger.warning("MLflowCallback of run %s is closed; a record sent afterwards waits in %s",
+                           self.identity["run_id"], self.spool.path)
+
+    # ----- the end of a run: bounded waits ------------------------------------------------------
     def on_train_end(self, trainer: Any) -> None:
         self.flush()
 
-    def flush(self) -> bool:
-        """Send everything buffered; ``True`` when the buffer is empty afterwards."""
-        try:
-            if self._client is None:
-                self._client = _client(self.identity["tracking_uri"])
-            while self.buffer:
-                batch = [self.buffer[i] for i in range(min(len(self.buffer), 1000))]
-                self._client.log_batch(self.identity["run_id"], metrics=batch)
-                for _ in batch:
-                    self.buffer.popleft()
-        except Exception as error:  # any outage: keep the metrics and carry on training
-            if self.failures == 0:
-                logger.warning("MLflow unreachable (%s); buffering %d metrics and retrying", error, len(self.buffer))
-            self.failures += 1
-            self._next_try = time.monotonic() + self.retry_interval
-            return False
-        if self.failures:
-            logger.warning("MLflow reachable again after %d failed sends; backlog delivered", self.failures)
-        self.failures = 0
-        self._next_try = 0.0
-        return True
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything sent so far is delivered, at most ``timeout`` seconds (and never
+        beyond what is left of ``drain_timeout``); whether it was."""
+        budget = self._wait_left if timeout is None else min(timeout, self._wait_left)
+        started = time.monotonic()
+        delivered = self.sender.wait_delivered(max(budget, 0.0))
+        self._wait_left = max(0.0, self._wait_left - (time.monotonic() - started))
+        return delivered
+
+    def close(self, timeout: float | None = None, warn: bool = True) -> bool:
+        """Flush (bounded as :meth:`flush`), stop the sender and return whether everything was
+        delivered; if not, the spool keeps it and ``warn`` logs :meth:`undelivered_message`."""
+        if self.closed:
+            return self.sender.delivered
+        delivered = self.flush(timeout)
+        self.sender.stop()
+        self.closed = True
+        if _OPEN.get(self.identity["run_id"]) is self:
+            del _OPEN[self.identity["run_id"]]
+        if not delivered and warn:
+            logger.warning(self.undelivered_message())
+        return delivered
+
+    def undelivered_message(self) -> str:
+        records = list(self.spool.pending())
+        metrics = sum(len(r.get("metrics", ())) for _, r in records)
+        artifacts = sum("artifact" in r for _, r in records)
+        reason = f" (last error: {str(self.sender.last_error)[:200]})" if self.sender.last_error else ""
+        return (f"MLflow at {self.identity['tracking_uri']} did not take all of run {self.identity['run_id']}'s "
+                f"records within {self.drain_timeout:g} s{reason}. Training is unaffected and nothing is lost: "
+                f"{len(records)} records ({metrics} metric values, {artifacts} artifacts) wait in {self.spool.path}. "
+                f"Once the server answers, replay them into the same run with:  comlrl sync {self.spool.directory}")
+
+    def unavailable(self) -> TrackingUnavailable:
+        return TrackingUnavailable(self.undelivered_message(), self.spool.directory)
 
 
-def reward_curve(history: Sequence[dict[str, float]], path: str | Path, metric: str = "reward_mean") -> Path:
-    """A PNG of ``metric`` over the steps of ``history``."""
+def close_all(timeout: float | None = None, warn: bool = True) -> bool:
+    """Close every open :class:`MLflowCallback` of this process (also run at interpreter exit);
+    whether all of them delivered everything."""
+    return all([callback.close(timeout, warn) for callback in list(_OPEN.values())])
+
+
+atexit.register(close_all)
+
+
+def reward_curve(history: Sequence[dict[str, float]], path: str | Path, metric: str = "reward_mean",
+                 evaluations: Sequence[tuple[int, float]] = ()) -> Path:
+    """A PNG of ``metric`` over the steps of ``history``, and of ``evaluations`` (``(step, eval reward)``
+    pairs, one per evaluation) on the same axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,10 +291,14 @@ def reward_curve(history: Sequence[dict[str, float]], path: str | Path, metric: 
     points = [(row["step"], row[metric]) for row in history if metric in row and "step" in row]
     figure, axes = pyplot.subplots(figsize=(6, 3.5))
     if points:
-        axes.plot([s for s, _ in points], [v for _, v in points], marker=".", linewidth=1)
+        axes.plot([s for s, _ in points], [v for _, v in points], marker=".", linewidth=1, label=f"{metric} (train)")
+    if evaluations:
+        axes.plot([s for s, _ in evaluations], [v for _, v in evaluations], marker="o", linewidth=1.5,
+                  label="eval reward")
+        axes.legend(loc="best", fontsize="small")
     axes.set_xlabel("step")
     axes.set_ylabel(metric)
-    axes.set_title(f"{metric} per training step")
+    axes.set_title(f"{metric} per training step" + (" and eval reward" if evaluations else ""))
     axes.grid(alpha=0.3)
     figure.tight_layout()
     path = Path(path)
@@ -207,10 +320,13 @@ def register_agents(
     base_name: str,
     tags: dict[str, str],
     alias: str = "candidate",
+    input_example: str | None = None,
+    signature: Any = None,
 ) -> list[dict[str, str]]:
-    """Log every agent as a ``text-generation`` model in the run, register it as
-    ``<base_name>-agent-<i>``, tag the version and point ``alias`` at it (once per run: a
-    repeated call reuses the run's versions)."""
+    """Log every agent as a ``text-generation`` model in the run (with ``input_example``, a prompt, and
+    ``signature``; MLflow infers the signature by generating when it is None), register it as
+    ``<base_name>-agent-<i>``, tag the version and point ``alias`` at it (once per run: a repeated call
+    reuses the run's versions)."""
     import mlflow
 
     client = _client(identity["tracking_uri"])
@@ -231,6 +347,8 @@ def register_agents(
                 task="text-generation",
                 pip_requirements=MODEL_REQUIREMENTS,
                 registered_model_name=name,
+                input_example=input_example,
+                signature=signature,
             )
         version = str(info.registered_model_version)
         for key, value in {**tags, "agent_index": str(index), RUN_KEY_TAG: tags.get(RUN_KEY_TAG, "")}.items():

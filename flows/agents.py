@@ -15,11 +15,13 @@ unless ``execution.dask_address`` names a scheduler of its own.
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import os
 import socket
 import uuid
-from contextlib import nullcontext
-from typing import Any, Callable, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from prefect import task
@@ -32,17 +34,47 @@ from flows.spec import ExecutionSpec
 
 
 class _ProcessTable(dict):
-    """Per-agent functions of the agent maps now running in this process, by key; never copied."""
+    """Objects of this process by key (the per-agent functions of the agent maps now running, the
+    training flows' task runners); pickled, a table stands for the same table of the unpickling process."""
 
-    def __reduce__(self) -> tuple[Callable[[], "_ProcessTable"], tuple]:
-        return _this_process_table, ()
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def __reduce__(self) -> tuple[Callable[[str], "_ProcessTable"], tuple]:
+        return _this_process_table, (self.name,)
 
 
-def _this_process_table() -> "_ProcessTable":
-    return _PENDING
+_TABLES: dict[str, _ProcessTable] = {}
 
 
-_PENDING = _ProcessTable()
+def _this_process_table(name: str) -> "_ProcessTable":
+    return process_table(name)
+
+
+def process_table(name: str) -> _ProcessTable:
+    """This process's table ``name`` (created on first use)."""
+    return _TABLES.setdefault(name, _ProcessTable(name))
+
+
+_PENDING = process_table("pending")
+# The task runner of each training flow run that installed agent tasks, by key: the agent map keeps
+# only the key, so the trainer holds no started runner (a client, locks).
+_RUNNERS = process_table("runners")
+
+# Where the trainer is (``rollout-b2-s3``: stage, boundary, step), set by the flow's step tasks: the
+# agent_work task runs are named after it, as the stage tasks of one step used to be.
+_STAGE_LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("comlrl_stage_label", default=None)
+
+
+@contextmanager
+def stage_label(label: str) -> Iterator[None]:
+    """Name the agent_work task runs submitted inside the block after ``label``."""
+    token = _STAGE_LABEL.set(label)
+    try:
+        yield
+    finally:
+        _STAGE_LABEL.reset(token)
 
 
 def process_name() -> str:
@@ -65,14 +97,19 @@ def agent_work(key: str, agent: int, label: str, owner: str) -> Any:
     return function(agent)
 
 
-def run_agents_as_tasks(function: Callable[[int], Any], devices: Sequence[torch.device]) -> list[Any]:
-    """An :data:`comlrl.parallel.placement.AgentMap`: one ``agent_work`` task run per agent on the current flow
-    run's task runner, all awaited, results in agent order."""
-    if FlowRunContext.get() is None:
+def run_agents_as_tasks(function: Callable[[int], Any], devices: Sequence[torch.device],
+                        task_runner_key: str | None = None) -> list[Any]:
+    """An :data:`comlrl.parallel.placement.AgentMap`: one ``agent_work`` task run per agent on the task
+    runner :func:`install` registered as ``task_runner_key`` (default: the current flow run's), all
+    awaited, results in agent order. The training flow binds its own Dask runner, so its boundary
+    subflows submit there too."""
+    context = FlowRunContext.get()
+    if context is None:
         raise RuntimeError("run_agents_as_tasks submits agent_work tasks to the current flow run, and there is none; "
                            "outside a flow use comlrl.parallel.placement.map_by_device (the trainers' default agent_map)")
+    runner = _RUNNERS[task_runner_key] if task_runner_key is not None else context.task_runner
     parent = TaskRunContext.get()
-    label = parent.task_run.name if parent is not None else "flow"
+    label = _STAGE_LABEL.get() or (parent.task_run.name if parent is not None else "flow")
 
     def on_device(agent: int) -> Any:  # a worker thread starts on the default CUDA device
         device = devices[agent]
@@ -82,11 +119,22 @@ def run_agents_as_tasks(function: Callable[[int], Any], devices: Sequence[torch.
     key = uuid.uuid4().hex
     _PENDING[key] = on_device
     try:
-        futures = [agent_work.submit(key, agent, label, process_name()) for agent in range(len(devices))]
+        futures = _outside_task_run(lambda: [
+            runner.submit(agent_work, {"key": key, "agent": agent, "label": label, "owner": process_name()})
+            for agent in range(len(devices))])
         wait(futures)  # every agent has finished before any failure propagates
         return [future.result() for future in futures]
     finally:
         del _PENDING[key]
+
+
+def _outside_task_run(submit: Callable[[], Any]) -> Any:
+    """``submit()`` in a copy of the current context without the current task run. Dask serialises
+    the submitting context with every task, the task run's parameters (the trainer, its callbacks'
+    threads) included; agent_work needs none of it and runs in the flow run as before."""
+    context = contextvars.copy_context()
+    context.run(TaskRunContext.__var__.set, None)
+    return context.run(submit)
 
 
 def _dask_task_runner_class() -> type:
@@ -117,5 +165,7 @@ def install(trainer: Any) -> None:
                            "start it with flows.training.training_flow(spec), as `comlrl run` does")
     # A preference run's agents, and their map, belong to its policy trainer (it collects with them too).
     target = getattr(trainer, "policy_trainer", trainer)
-    target.agent_map = run_agents_as_tasks
+    key = uuid.uuid4().hex
+    _RUNNERS[key] = runner
+    target.agent_map = functools.partial(run_agents_as_tasks, task_runner_key=key)
     target.tokenizers = private_tokenizers(target.tokenizers)  # fast tokenizers are not thread-safe

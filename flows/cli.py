@@ -3,6 +3,12 @@
 Prefect and MLflow settings come from the environment (``PREFECT_API_URL``,
 ``MLFLOW_TRACKING_URI``); without them the embedded default is used: Prefect's ephemeral
 mode and an MLflow SQLite store under the working directory (``--workdir``, default .comlrl).
+
+Exit statuses: 0 done; 2 bad input (spec, run id, path); 69 the Prefect server became unreachable
+(checkpoints are safe; ``comlrl resume`` after a restart finishes the run, see
+:mod:`flows.orchestrator`); 75 the MLflow server did not take the run's records in time
+(training finished, agents not registered; they wait in the run's tracking spool for
+``comlrl sync`` or ``comlrl resume``).
 """
 
 from __future__ import annotations
@@ -11,17 +17,18 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEMO_SPEC = PROJECT_ROOT / "flows" / "specs" / "letters.yaml"
+
+EXIT_TRACKING_UNREACHABLE = 75  # sysexits' EX_TEMPFAIL: try again once the MLflow server answers
 
 
 def _configure(workdir: str) -> None:
+    from flows.orchestrator import bound_client_waits
     from flows.runs import configure_embedded_default
 
     configure_embedded_default(workdir)
+    bound_client_waits()  # before Prefect is imported: it reads its settings then
 
 
 def _load_spec(spec: str, root: str):
@@ -55,10 +62,24 @@ def run(args: argparse.Namespace) -> int:
     if (spec := _load_spec(args.spec, root)) is None:
         return 2
     _configure(args.workdir)
+    from comlrl.tracking import TrackingUnavailable
+    from flows.orchestrator import exit_if_unreachable
+    from flows.runs import default_run_id
     from flows.training import training_flow
 
-    result = training_flow(spec)(spec_path=str(Path(args.spec).resolve()), run_id=args.run_id, workdir=args.workdir,
-                                 root=root, init_from_alias=args.init_from)
+    # For messages only: with --init-from the flow derives the default run id from the pinned spec.
+    run_id = args.run_id or ("RUN_ID" if args.init_from else default_run_id(spec))
+    try:
+        result = training_flow(spec)(spec_path=str(Path(args.spec).resolve()), run_id=args.run_id,
+                                     workdir=args.workdir, root=root, init_from_alias=args.init_from)
+    except Exception as error:
+        exit_if_unreachable(run_id, args.workdir, error)  # ends the process (69) when Prefect is down
+        if isinstance(error, TrackingUnavailable):
+            print(f"\ncomlrl: {error}\nThen register the agents with:  comlrl resume {run_id} --workdir {args.workdir}",
+                  file=sys.stderr)
+            return EXIT_TRACKING_UNREACHABLE
+        raise
+    exit_if_unreachable(run_id, args.workdir)
     print(json.dumps(result, indent=2))
     _where_to_look(args.workdir)
     return 0
@@ -94,18 +115,11 @@ def serve(args: argparse.Namespace) -> int:
 
 def promote(args: argparse.Namespace) -> int:
     _configure(args.workdir)
-    from mlflow.tracking import MlflowClient
-
-    from comlrl import tracking
+    from flows import gate
 
     uri = os.environ["MLFLOW_TRACKING_URI"]
-    found = MlflowClient(uri).search_registered_models(filter_string=f"name LIKE '{args.model}-agent-%'")
-    names = sorted(m.name for m in found)
-    if not names:
-        print(f"no registered models named {args.model}-agent-<i> in {uri}", file=sys.stderr)
-        return 2
     try:
-        moved = tracking.promote(uri, names, args.from_alias, args.to_alias)
+        moved = gate.promote(uri, args.model, args.from_alias, args.to_alias, force=args.force)
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
@@ -115,35 +129,42 @@ def promote(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    """The bundled tiny demo as a flow run on the embedded default, then promotion and a sample."""
-    started = time.perf_counter()
-    _configure(args.workdir)
-    from flows.spec import load_spec
-    from flows.training import training_flow
+    """The bundled tiny demo as a flow run on the embedded default, gated, sampled (flows/demo.py)."""
+    from flows.demo import run_demo
 
-    run_id = args.run_id or f"letters-demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    result = training_flow(load_spec(DEMO_SPEC, PROJECT_ROOT))(spec_path=str(DEMO_SPEC), run_id=run_id,
-                                                               workdir=args.workdir, root=str(PROJECT_ROOT))
-    from comlrl import tracking
-
-    names = [entry["name"] for entry in result["registered"]]
-    tracking.promote(result["tracking_uri"], names, "candidate", "champion")
-    import mlflow
-
-    mlflow.set_tracking_uri(result["tracking_uri"])
-    generator = mlflow.transformers.load_model(f"models:/{names[0]}@champion")
-    sample = generator("tell me about the cat", max_new_tokens=12, do_sample=False)[0]["generated_text"]
-    history_path = Path(args.workdir) / "runs" / run_id / "reward_curve.png"
-    print(f"\nrun {run_id}: eval reward {result['evaluation'].get('eval/reward_mean', float('nan')):.3f}, "
-          f"checkpoint {result['checkpoint']}")
-    print(f"registered: {', '.join(e['name'] + ' v' + e['version'] for e in result['registered'])} "
-          "(alias candidate, promoted to champion)")
-    print(f"models:/{names[0]}@champion says: {sample!r}")
-    print(f"reward curve: {history_path}")
-    print(f"resume or repeat: comlrl resume {run_id} --workdir {args.workdir}")
-    print(f"finished in {time.perf_counter() - started:.0f} s")
-    _where_to_look(args.workdir)
+    run_demo(args.workdir, args.run_id, args.verbose)
     return 0
+
+
+def sync(args: argparse.Namespace) -> int:
+    """Replay tracking spools left by an MLflow outage into their runs."""
+    from comlrl import tracking, tracking_spool
+
+    tracking.bound_http_retries()
+    try:
+        spools = tracking_spool.find_spools(args.path)
+    except tracking_spool.SpoolError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if not spools:
+        print(f"no tracking spool (spool.jsonl) under {args.path}", file=sys.stderr)
+        return 2
+    status = 0
+    for directory in spools:
+        try:
+            spool, report = tracking_spool.replay(directory, args.tracking_uri)
+        except tracking_spool.SpoolError as error:
+            print(error, file=sys.stderr)
+            status = max(status, 2)
+        except Exception as error:  # the server still does not answer: nothing lost, try again later
+            print(f"{directory}: MLflow unreachable ({str(error)[:200]}); nothing was lost, run this again later",
+                  file=sys.stderr)
+            status = EXIT_TRACKING_UNREACHABLE
+        else:
+            refused = f"; refused by MLflow and skipped: {report.refused}" if report.refused else ""
+            print(f"{directory}: delivered {report.records} records ({report.metrics} metric values, "
+                  f"{report.artifacts} artifacts) to MLflow run {spool.header['run_id']}{refused}")
+    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,18 +209,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default=".", help="directory the spec's relative paths start from")
 
     p = add("promote", promote, "move the 'champion' alias to the current 'candidate' versions",
-            "For every registered model MODEL-agent-<i>, point --to (default champion) at the version --from "
-            "(default candidate) names; the previous champion is kept as tag previous_champion. Nothing moves "
-            "unless every agent has a --from version.")
+            "For the team model MODEL-team and every agent model MODEL-agent-<i>, point --to (default champion) at "
+            "the version --from (default candidate) names; the previous champion is kept as tag previous_champion. "
+            "Nothing moves unless every model has a --from version, nor (without --force) when the run's "
+            "champion/challenger gate found the candidate worse than the champion.")
     p.add_argument("model", help="registered model base name (the spec's registry.model_name, default its name)")
     p.add_argument("--from", dest="from_alias", default="candidate", help="alias to promote (default candidate)")
     p.add_argument("--to", dest="to_alias", default="champion", help="alias to move (default champion)")
+    p.add_argument("--force", action="store_true", help="promote even a candidate the gate kept out")
+
+    p = add("sync", sync, "replay the tracking records a run could not send to MLflow",
+            "Deliver the records a run spooled while its MLflow server was unreachable into the same MLflow run: "
+            "metrics with their original steps and timestamps, params, tags, artifacts, the final status. PATH is "
+            "a run directory (WORKDIR/runs/RUN_ID) or one spool directory (the one the warning names). Records "
+            "already delivered are never sent again. Exit status 0 when all were delivered, 75 when the server "
+            "still does not answer.")
+    p.add_argument("path", help="a run directory or a spool directory")
+    p.add_argument("--tracking-uri", help="the MLflow server to deliver to (default: the one the spool recorded)")
 
     p = add("demo", demo, "run the bundled tiny demo end to end (embedded default, a few minutes on 2 CPUs)",
             "Train two tiny Llama agents (built locally, no hub) with MAGRPO on the letters task as a Prefect flow "
-            "run, track it in MLflow, register the agents, promote them to champion, load one back with "
-            "mlflow.transformers and generate, then print where to look.")
+            "run, track it in MLflow, register the team and its agents, let the champion/challenger gate decide, "
+            "load the champion team back with mlflow.pyfunc and ask it a prompt, then print where to look. The "
+            "console shows one progress bar, a line per epoch and a summary.")
     p.add_argument("--run-id", help="run name (default letters-demo-<time>)")
+    p.add_argument("--verbose", action="store_true", help="show every library's logs, warnings and progress bars")
     return parser
 
 

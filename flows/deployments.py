@@ -2,7 +2,9 @@
 
 ``retrain_flow`` names each run after its scheduled time, so every schedule slot is its own
 resumable run (a Prefect retry of that flow run resumes it), and starts the agents from the
-current ``champion`` versions (the spec's models before the first promotion).
+current ``champion`` versions (the spec's models before the first promotion). Like every run it
+ends at the champion/challenger gate (:mod:`flows.gate`): the retrained team replaces the
+champion only if it evaluates at least as well on the spec's eval set.
 """
 
 from __future__ import annotations

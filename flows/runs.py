@@ -7,7 +7,9 @@ Layout under the working directory (default ``.comlrl/``)::
     mlflow/mlflow.db      the MLflow SQLite store (when MLFLOW_TRACKING_URI is not set)
     mlflow/artifacts/     its artifact root
     models/               tiny demo models, agents exported from the registry
-    runs/<run_id>/        spec.yaml (as first run), checkpoints/checkpoint-N, reward_curve.png, result.json
+    runs/<run_id>/        spec.yaml (as first run), checkpoints/checkpoint-N, reward_curve.png,
+                          resolved_spec.json, team/ (the team model as registered), tracking/
+                          (the MLflow spool), result.json
 """
 
 from __future__ import annotations

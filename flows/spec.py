@@ -124,6 +124,9 @@ class ExecutionSpec(Strict):
                           "default: the flow starts an in-process LocalCluster.")
     dask_workers: int = Field(2, ge=1, le=64,
                               description="Worker threads of the in-process LocalCluster: agents at work at once.")
+    steps_per_task: int | None = Field(
+        None, ge=1, description="Training steps per Prefect task in an epoch's subflow (default: all of the epoch's "
+                                "steps in one task; 1: a task per step). Stage timings are metrics either way.")
 
     @field_validator("dask_address")
     @classmethod

@@ -68,23 +68,41 @@ def pipeline(tmp_path_factory, project):
             os.environ[key] = value
 
 
+def subflow_runs(flow_run_id) -> list:
+    """The boundary subflow runs of a flow run, in boundary order."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])), limit=200)
+    return sorted(runs, key=lambda run: run.expected_start_time)
+
+
 def task_run_names(flow_run_id, expected: int | None = None, timeout: float = 60.0) -> list[str]:
-    """Task runs of a flow run, from the Prefect API (state records arrive asynchronously)."""
+    """Completed task runs of a flow run and of its boundary subflows, from the Prefect API (state
+    records arrive asynchronously)."""
     from prefect import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     deadline = time.monotonic() + timeout
     with get_client(sync_client=True) as client:
         while True:
+            family = [flow_run_id, *(run.id for run in subflow_runs(flow_run_id))]
             runs, page = [], None
             while page is None or len(page) == 200:
-                page = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                page = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=family)),
                                              limit=200, offset=len(runs))
                 runs += page
             names = sorted(run.name for run in runs if run.state and run.state.is_completed())
             if expected is None or len(names) >= expected or time.monotonic() > deadline:
                 return names
             time.sleep(0.5)
+
+
+def steps_tasks(names: list[str]) -> list[str]:
+    """The step-chunk task runs, as ``epoch 2 · steps 1–2`` (their stage list cut off)."""
+    return sorted(name.split(":")[0] for name in names if " · step" in name)
 
 
 # ----- spec validation (no Prefect needed) --------------------------------------------------------
@@ -160,11 +178,11 @@ class FailOnce:
         original = MAGRPOTrainer.update
         guard = self
 
-        def update(trainer, rollout, advantages):
+        def update(trainer, *args, **kwargs):
             if trainer.state.epoch == guard.epoch and not guard.fired:
                 guard.fired = True
                 raise RuntimeError("injected fault in the policy update")
-            return original(trainer, rollout, advantages)
+            return original(trainer, *args, **kwargs)
 
         monkeypatch.setattr(MAGRPOTrainer, "update", update)
 
@@ -201,18 +219,30 @@ def mlflow_status_of(tracking_uri: str, run_key: str) -> str:
 def test_a_failed_flow_run_resumes_after_the_last_completed_boundary(resumed):
     assert resumed["failed"].is_failed()
     assert resumed["completed"].is_completed()
-    first = task_run_names(resumed["failed"].state_details.flow_run_id)
-    # The first run finished epoch 1 (rollout..record_step for both steps, its checkpoint) and
-    # epoch 2's first rollout, score and advantages before the update raised.
-    assert [n for n in first if n.startswith("rollout-")] == ["rollout-b1-s1", "rollout-b1-s2", "rollout-b2-s1"]
-    assert sum(n.startswith("save_checkpoint") for n in first) == 1
-    expected = 2 * STEPS_PER_EPOCH * 5 + 2 + 2  # stages of epochs 2-3, end_epoch x2, checkpoints x2 ...
-    second = task_run_names(resumed["completed"].state_details.flow_run_id, expected=expected)
-    assert not [n for n in second if "-b1-" in n or n.endswith("-b1")], "epoch 1 ran again"
-    assert [n for n in second if n.startswith("update-")] == ["update-b2-s1", "update-b2-s2", "update-b3-s1", "update-b3-s2"]
-    assert sum(n.startswith("begin_training") for n in second) == 1
-    assert sum(n.startswith("save_checkpoint") for n in second) == 2
-    assert sum(n.startswith("register_agents") for n in second) == 1
+    failed_id, completed_id = resumed["failed"].state_details.flow_run_id, resumed["completed"].state_details.flow_run_id
+    first = task_run_names(failed_id)
+    # The first run finished epoch 1 (its steps, evaluation and checkpoint); epoch 2's steps task failed
+    # in its first policy update, so epoch 2 has no completed task but its subflow run, failed.
+    assert steps_tasks(first) == ["epoch 1 · steps 1–2"]
+    assert [n for n in first if n.endswith("· checkpoint")] == ["epoch 1 · checkpoint"]
+    assert [(run.name, run.state.type.value) for run in subflow_runs(failed_id)] == [
+        ("epoch 1 of 3", "COMPLETED"), ("epoch 2 of 3", "FAILED")]
+    expected = 2 * 3 + 2 + 5  # steps, evaluation, checkpoint x2; restore, register x2, gate, ...
+    second = task_run_names(completed_id, expected=expected)
+    assert not [n for n in second if n.startswith("epoch 1 ")], "epoch 1 ran again"
+    assert steps_tasks(second) == ["epoch 2 · steps 1–2", "epoch 3 · steps 1–2"]
+    assert "restore checkpoint-1" in second and "begin training" not in second
+    assert [n for n in second if n.endswith("· checkpoint")] == ["epoch 2 · checkpoint", "epoch 3 · checkpoint"]
+    assert [n for n in second if n.startswith("register")] == ["register agent models", "register team model"]
+    # One subflow per boundary run here, each saying its reward in its final state's message.
+    subflows = subflow_runs(completed_id)
+    assert [run.name for run in subflows] == ["epoch 2 of 3", "epoch 3 of 3"]
+    assert all(run.state.is_completed() and "reward" in run.state.message and "eval" in run.state.message
+               for run in subflows)
+    # The task runs pay for themselves: per boundary its steps, evaluation and checkpoint (and the
+    # subflow's own record in the parent), not one per stage and step.
+    assert [len([n for n in second if n.startswith(f"epoch {epoch} ")]) for epoch in (2, 3)] == [3, 3]
+    assert len(second) <= 4 * 2 + 15, second
 
 
 def test_resumed_weights_equal_an_uninterrupted_run(resumed, reference_weights):
@@ -245,6 +275,9 @@ def test_the_resumed_flow_logs_into_the_same_mlflow_run(resumed, pipeline):
     assert run.data.params["spec.algorithm"] == "magrpo"
     steps = {m.step for m in client.get_metric_history(run.info.run_id, "reward_mean")}
     assert steps == set(range(1, 3 * STEPS_PER_EPOCH + 1))
+    # The eval curve: one point per boundary, epoch 1's from the failed flow run, 2-3 from the resumed one.
+    evaluations = sorted(m.step for m in client.get_metric_history(run.info.run_id, "eval/reward_mean"))
+    assert evaluations == [STEPS_PER_EPOCH * epoch for epoch in (1, 2, 3)]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"plots", "spec", "checkpoints"} <= artifacts
     assert [a.path for a in client.list_artifacts(run.info.run_id, "plots")] == ["plots/reward_curve.png"]
@@ -266,6 +299,9 @@ def test_agents_are_registered_promoted_and_load_by_alias(resumed, pipeline):
     assert version.tags["comlrl.run_id"] == "fault-run"
     assert len(version.tags["comlrl.spec_hash"]) == 64
     assert version.run_id == resumed["result"]["mlflow_run_id"]
+    # The first candidate of a registry passes the gate: there is no champion to compare with.
+    assert version.tags["comlrl.gate.decision"] == "promoted" and version.tags["comlrl.gate.reason"] == "no champion yet"
+    assert str(client.get_model_version_by_alias("flowtest-team", "champion").version) == resumed["result"]["team"]["version"]
     with pytest.raises(ValueError, match="no version with alias 'nope'"):
         tracking.promote(uri, names, "nope", "champion")
     moved = tracking.promote(uri, names, "candidate", "champion")
@@ -290,7 +326,7 @@ def test_rerunning_a_completed_run_trains_nothing_and_retraining_starts_from_the
                      root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"])
     again = train_flow(**arguments, run_id="fault-run", return_state=True)
     names = task_run_names(again.state_details.flow_run_id, expected=5)
-    assert again.is_completed() and not [n for n in names if n.startswith(("rollout", "update"))]
+    assert again.is_completed() and not steps_tasks(names) and not subflow_runs(again.state_details.flow_run_id)
     assert [e["version"] for e in again.result()["registered"]] == ["1", "1"]  # not registered twice
     # A retraining run from the champion loads the registered agents (exported from MLflow).
     retrained = train_flow(**arguments, run_id="from-champion", init_from_alias="champion",
@@ -315,7 +351,11 @@ def test_marlhf_iter_runs_one_task_per_pbrl_stage_and_logs_the_pairs(pipeline):
                        root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"], return_state=True)
     result = state.result()
     names = task_run_names(state.state_details.flow_run_id, expected=20)
-    assert [n for n in names if n.startswith("pbrl_stage")] == [f"pbrl_stage-b{i}" for i in range(1, 7)]
+    stages = ["preference collection", "reward-model fit", "policy update"]
+    assert [run.name for run in subflow_runs(state.state_details.flow_run_id)] == [
+        f"iteration {i} · {stage} ({3 * (i - 1) + n + 1}/6)" for i in (1, 2) for n, stage in enumerate(stages)]
+    assert sorted(n for n in names if n.startswith("iteration") and "·" in n and not n.endswith(
+        ("evaluation", "checkpoint"))) == sorted(f"iteration {i} · {stage}" for i in (1, 2) for stage in stages)
     assert Path(result["checkpoint"]).name == "checkpoint-6"
     client = MlflowClient(pipeline["tracking_uri"])
     assert [a.path for a in client.list_artifacts(result["mlflow_run_id"], "preferences")] == [
@@ -335,6 +375,6 @@ def test_actor_critic_trainers_run_their_declared_stages_as_tasks(pipeline):
     state = train_flow(spec_path=str(path), run_id="maac-run", workdir=str(pipeline["workdir"]),
                        root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"], return_state=True)
     assert state.is_completed()
-    names = task_run_names(state.state_details.flow_run_id, expected=15)
-    assert {n.rsplit("-b", 1)[0] for n in names if n.endswith("-b1-s1")} == {
-        "rollout", "score", "critic_inputs", "values", "advantages", "update", "record_step"}
+    names = task_run_names(state.state_details.flow_run_id, expected=8)
+    [steps] = [n for n in names if n.startswith("epoch 1 · steps 1–2: ")]
+    assert {"rollout", "score", "critic_inputs", "values", "advantages", "update"} <= set(steps.split(": ")[1].split(", "))

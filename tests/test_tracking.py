@@ -1,8 +1,10 @@
-"""comlrl.tracking: an MLflow outage never stops training; the backlog arrives when it is back."""
+"""comlrl.tracking: an MLflow outage never stops training; the backlog arrives when it is back
+(against a real server: tests/test_tracking_outage.py)."""
 
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
 
@@ -15,34 +17,40 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_metrics_are_buffered_through_an_outage_and_delivered_afterwards(tmp_path, monkeypatch):
+def test_metrics_sent_during_an_outage_wait_in_the_spool_and_are_delivered_afterwards(tmp_path):
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    from comlrl import tracking_spool
+
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     identity = tracking.open_run(store, "outage", "run-1", artifact_root=tmp_path / "artifacts")
     down = {**identity, "tracking_uri": f"http://127.0.0.1:{closed_port()}"}
-    callback = tracking.MLflowCallback(down, retry_interval=0.0)
+    callback = tracking.MLflowCallback(down, spool_dir=tmp_path / "spool", drain_timeout=0.5)
     for step in range(1, 4):
         callback.on_log(None, {"reward_mean": step / 10}, step)  # must not raise
-    assert len(callback.buffer) == 3 and callback.failures == 3
-    callback.identity, callback._client = identity, None  # the service is back
-    callback.on_log(None, {"reward_mean": 0.4}, 4)
-    assert not callback.buffer and callback.failures == 0
+    started = time.monotonic()
+    assert not callback.flush() and not callback.close(warn=False)  # both waits together: drain_timeout
+    assert time.monotonic() - started < 0.5 + 1.5  # ... then at most the sender's join
+    assert len(list(callback.spool.pending())) == 3
+    tracking_spool.replay(callback.spool.directory, store)  # the service is back
     history = MlflowClient(store).get_metric_history(identity["run_id"], "reward_mean")
-    assert sorted((m.step, m.value) for m in history) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert sorted((m.step, m.value) for m in history) == [(1, 0.1), (2, 0.2), (3, 0.3)]
 
 
-def test_the_buffer_is_bounded(tmp_path):
+def test_a_send_costs_a_queue_append(tmp_path):
     pytest.importorskip("mlflow")
-    callback = tracking.MLflowCallback({"run_id": "x", "tracking_uri": f"http://127.0.0.1:{closed_port()}"},
-                                       max_buffered=2, retry_interval=3600.0)
-    callback._next_try = float("inf")  # do not even try: the buffer alone is under test
-    for step in range(5):
-        callback.on_log(None, {"loss": float(step)}, step)
-    assert [m.step for m in callback.buffer] == [3, 4] and callback.dropped == 3
+    down = {"run_id": "x", "tracking_uri": f"http://127.0.0.1:{closed_port()}"}
+    callback = tracking.MLflowCallback(down, spool_dir=tmp_path, drain_timeout=0.0)
+    seconds = []
+    for step in range(20_000):
+        before = time.perf_counter()
+        callback.on_log(None, {"loss": float(step), "reward_mean": 0.5}, step)
+        seconds.append(time.perf_counter() - before)
+    seconds.sort()  # a send that waited on the network would take milliseconds to seconds, every one
+    assert seconds[len(seconds) // 2] < 0.0005 and seconds[int(0.99 * len(seconds))] < 0.01, seconds[-5:]
+    assert not callback.close(warn=False)
+    assert sum(len(record["metrics"]) for _, record in callback.spool.pending()) == 40_000  # all kept
 
 
 def test_open_run_reuses_the_run_of_a_run_id_and_the_checkpoint_identity(tmp_path):

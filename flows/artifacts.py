@@ -1,0 +1,142 @@
+"""What an operator sees of a run in the Prefect UI: table, link and markdown artifacts, and MLflow URLs.
+
+Every artifact of a run has a key derived from its run id (:func:`artifact_key`), so the
+Artifacts page lists a run's table, links, gate decision and summary together and keeps one
+version per flow run. The markdown is built by pure functions (:func:`summary_markdown`,
+:func:`gate_markdown`) and published by thin wrappers. MLflow has web pages only behind a server:
+for a local store the links point at ``http://127.0.0.1:5000``, where ``mlflow ui`` serves them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import urllib.parse
+from typing import Any, Callable, Sequence
+
+from comlrl.tracking import is_local_store
+
+LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"
+logger = logging.getLogger(__name__)
+
+
+def best_effort(publish: Callable[..., Any], *args: Any) -> Any:
+    """Call an artifact publisher; an unreachable Prefect API costs the artifact (one warning), never the run."""
+    try:
+        return publish(*args)
+    except Exception as error:
+        logger.warning("could not publish the Prefect artifact (%s: %s); the run goes on without it",
+                       getattr(publish, "__name__", publish), error)
+        return None
+
+
+def artifact_key(run_id: str, what: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits and dashes) for ``what`` of run ``run_id``."""
+    return re.sub(r"[^a-z0-9-]+", "-", f"{run_id}-{what}".lower()).strip("-")[:120]
+
+
+def mlflow_base_url(tracking_uri: str) -> str:
+    return LOCAL_MLFLOW_UI if is_local_store(tracking_uri) else tracking_uri.rstrip("/")
+
+
+def mlflow_run_url(identity: dict[str, Any]) -> str:
+    return (f"{mlflow_base_url(identity['tracking_uri'])}/#/experiments/{identity['experiment_id']}"
+            f"/runs/{identity['run_id']}")
+
+
+def mlflow_version_url(tracking_uri: str, name: str, version: str) -> str:
+    return f"{mlflow_base_url(tracking_uri)}/#/models/{urllib.parse.quote(name)}/versions/{version}"
+
+
+def publish_table(run_id: str, rows: list[dict[str, Any]]) -> None:
+    """The run's boundaries so far as a table artifact (a new version each boundary)."""
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(rows, key=artifact_key(run_id, "boundaries"),
+                          description=f"Run {run_id}: reward, eval reward, loss, KL and checkpoint per boundary")
+
+
+def publish_links(run_id: str, identity: dict[str, Any], registered: Sequence[dict[str, str]]) -> list[str]:
+    """Link artifacts to the MLflow run and to every registered model version; returns the links."""
+    from prefect.artifacts import create_link_artifact
+
+    links = [(mlflow_run_url(identity), f"MLflow run {identity['run_id']}", "mlflow-run")]
+    links += [(mlflow_version_url(identity["tracking_uri"], entry["name"], entry["version"]),
+               f"{entry['name']} version {entry['version']}", f"model-{entry['name']}") for entry in registered]
+    for link, text, what in links:
+        create_link_artifact(link, link_text=text, key=artifact_key(run_id, what))
+    return [link for link, _, _ in links]
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    if not rows:
+        return "(none)"
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(column)) for column in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def gate_markdown(decision: dict[str, Any]) -> str:
+    verdict = "promoted to **champion**" if decision["promoted"] else "**not promoted**: the champion stays"
+    return "\n".join([
+        f"# Champion/challenger gate: {decision['candidate']} {verdict}",
+        "",
+        f"Reason: {decision['reason']}.",
+        "",
+        markdown_table([{"model": decision["candidate"], "role": "candidate",
+                         decision.get("metric") or "eval": decision.get("candidate_score")},
+                        {"model": decision.get("champion") or "(none)", "role": "champion",
+                         decision.get("metric") or "eval": decision.get("champion_score")}]),
+    ])
+
+
+def publish_gate(run_id: str, decision: dict[str, Any]) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    create_markdown_artifact(gate_markdown(decision), key=artifact_key(run_id, "gate"),
+                             description=f"Run {run_id}: champion/challenger decision")
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    """The run's closing summary: what was trained, on what, the results, where the models are."""
+    lines = [
+        f"# {summary['name']} · run {summary['run_id']}",
+        "",
+        f"Trained **{summary['algorithm']}** with {summary['num_agents']} agents ({', '.join(summary['models'])}) "
+        f"on `{summary['train']}` ({summary['train_rows']} rows), evaluated on `{summary['eval'] or 'nothing'}`"
+        + (f" ({summary['eval_rows']} rows)" if summary.get("eval_rows") else "")
+        + f"; {summary['steps']} steps, spec hash `{summary['spec_hash'][:12]}`.",
+        "",
+        "## Results",
+        "",
+        markdown_table(summary["boundaries"]),
+        "",
+        f"Final evaluation: {_cell(summary.get('eval_score'))} ({summary.get('eval_metric') or 'no eval set'}).",
+        "",
+        "## Models",
+        "",
+    ]
+    for entry in summary["registered"]:
+        lines.append(f"- [{entry['name']} v{entry['version']}]({entry['url']}) (alias `{entry['alias']}`)")
+    gate = summary.get("gate")
+    if gate:
+        lines += ["", f"Gate: {'promoted to champion' if gate['promoted'] else 'not promoted'} ({gate['reason']})."]
+    lines += ["", "## Where", "", f"- MLflow run: [{summary['mlflow_run_id']}]({summary['mlflow_run_url']})",
+              f"- last checkpoint: `{summary['checkpoint']}`",
+              f"- team model: `mlflow.pyfunc.load_model(\"models:/{summary['team']}@champion\")`"]
+    return "\n".join(lines)
+
+
+def publish_summary(run_id: str, summary: dict[str, Any]) -> str:
+    from prefect.artifacts import create_markdown_artifact
+
+    text = summary_markdown(summary)
+    create_markdown_artifact(text, key=artifact_key(run_id, "summary"), description=f"Run {run_id}: summary")
+    return text

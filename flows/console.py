@@ -1,0 +1,135 @@
+"""The demo's console: one progress bar, one line per boundary, the gate's verdict; noise silenced.
+
+Only ``comlrl demo`` installs it (:func:`install`), and ``--verbose`` leaves the console as the
+libraries make it. Library use and ``comlrl run`` are never silenced. What it silences:
+
+- third-party progress bars (Hugging Face's "Loading weights", "Writing model shards",
+  ``datasets``' "Generating train split"): ``HF_HUB_DISABLE_PROGRESS_BARS`` /
+  ``HF_DATASETS_DISABLE_PROGRESS_BARS``;
+- Prefect's INFO lines on the console (``PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL=WARNING``: the
+  flow-run logs still reach the Prefect API and UI) and MLflow's INFO lines
+  (``MLFLOW_LOGGING_LEVEL=WARNING``);
+- the known-harmless lines in :data:`KNOWN_HARMLESS` (MLflow's model-card and license warnings
+  for local models, its registration notices), dropped line by line from standard error.
+
+Every other warning or error still reaches the console. The progress bar and the boundary
+lines come from the ``flows.progress`` records of :mod:`flows.progress`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import sys
+from typing import Any, TextIO
+
+QUIET_ENVIRONMENT = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
+}
+# Lines third-party code writes that say nothing wrong about a local demo run.
+KNOWN_HARMLESS = tuple(re.compile(pattern) for pattern in (
+    r"The model card could not be retrieved from the hub",
+    r"Unable to find license information for this model",
+    r"^Successfully registered model '",
+    r"^Registered model '.*' already exists\. Creating a new version",
+    r"^Created version '\d+' of model '",
+    r"Running model prediction to infer the model output signature",
+    r"Validating input example against model signature",
+    r"friendly reminder - the current text generation call has exceeded the model's predefined maximum length",
+    # The agents' signatures declare max_new_tokens / do_sample as params on purpose.
+    r"params provided to the `predict` method will override the inference configuration saved with the model",
+))
+
+
+def harmless(line: str) -> bool:
+    return any(pattern.search(line) for pattern in KNOWN_HARMLESS)
+
+
+class FilteredStream(io.TextIOBase):
+    """A text stream that passes whole lines on to ``target`` unless :func:`harmless`."""
+
+    def __init__(self, target: TextIO) -> None:
+        self.target = target
+        self.pending = ""
+        self.dropped = 0
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if harmless(line):
+                self.dropped += 1
+            else:
+                self.target.write(line + "\n")
+        if self.pending and ("\r" in self.pending or len(self.pending) > 4096):  # a bar redraw: pass it on
+            self.target.write(self.pending)
+            self.pending = ""
+        return len(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def isatty(self) -> bool:
+        return self.target.isatty()
+
+    def fileno(self) -> int:
+        return self.target.fileno()
+
+
+class ProgressConsole(logging.Handler):
+    """Draws ``flows.progress`` records: a bar for steps, a line for each boundary and the gate."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(logging.DEBUG)
+        self.stream = stream
+        self.bar: Any = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        event = getattr(record, "progress", None) or {}
+        kind = event.get("kind")
+        if kind == "start":
+            if self.bar is None:
+                self.bar = tqdm(total=event["total"], initial=event["done"], desc="training", unit="step",
+                                file=self.stream, dynamic_ncols=True, leave=True)
+        elif kind == "step" and self.bar is not None:
+            self.bar.update(event["done"] - self.bar.n)
+            if event.get("reward") is not None:
+                self.bar.set_postfix(reward=f"{event['reward']:.3f}", refresh=False)
+        elif kind == "boundary":
+            tqdm.write(f"  {record.getMessage()}", file=self.stream)
+            if event["number"] == event["total"]:
+                self.close_bar()
+        elif kind == "gate":
+            self.close_bar()
+            gate = event["gate"]
+            verdict = "promoted to champion" if gate["promoted"] else "not promoted (the champion stays)"
+            tqdm.write(f"gate: {gate['candidate']} {verdict}: {gate['reason']}", file=self.stream)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def install(verbose: bool) -> ProgressConsole | None:
+    """Quiet the console for the demo (nothing when ``verbose``); call before Prefect, MLflow and
+    transformers are imported, so their settings take effect."""
+    if verbose:
+        return None
+    for key, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+    terminal = sys.stderr
+    sys.stderr = FilteredStream(terminal)
+    console = ProgressConsole(terminal)
+    progress = logging.getLogger("flows.progress")
+    progress.addHandler(console)
+    progress.setLevel(logging.DEBUG)
+    progress.propagate = False
+    return console

@@ -1,0 +1,140 @@
+"""Champion/challenger: a run's team becomes ``champion`` only if it is at least as good as the champion.
+
+Every run registers its team and agents as candidates (:mod:`flows.registry`). :func:`run_gate`
+then evaluates the current champion in the same run, on the spec's eval set, the way the run's
+own evaluation is made (``trainer.evaluate()``: same rows, same seed, same reward), and
+:func:`decide` compares the two scores on the run's eval metric (``eval/reward_mean``; PbRL runs:
+``eval/task_reward_mean``). Promotion moves ``champion`` for the team and every agent model
+together (all or none, :func:`comlrl.tracking.promote`). The decision, the metric and both
+scores become tags of the candidate versions (``comlrl.gate.*``) and a Prefect artifact.
+
+The champion is what retraining continues from: the agent versions holding ``champion``
+(:func:`flows.build.with_registered_agents`). ``comlrl promote`` moves the alias by hand; it
+refuses a candidate the gate found worse unless given ``--force``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from comlrl import tracking
+from flows import build
+from flows.boundaries import primary_eval
+from flows.registry import mlflow_client, set_version_tags, team_model_name, version_tags
+from flows.spec import RunSpec
+
+CHAMPION = "champion"
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    promoted: bool
+    reason: str
+    candidate: str  # "NAME-team v3"
+    champion: str | None
+    metric: str | None
+    candidate_score: float | None
+    champion_score: float | None
+
+    def tags(self) -> dict[str, str]:
+        values = {"decision": "promoted" if self.promoted else "kept champion", "reason": self.reason,
+                  "metric": self.metric, "candidate_score": self.candidate_score,
+                  "champion_score": self.champion_score, "champion": self.champion}
+        return {f"comlrl.gate.{key}": "" if value is None else str(value) for key, value in values.items()}
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decide(candidate_score: float | None, champion_score: float | None, has_champion: bool) -> tuple[bool, str]:
+    """Promote when there is no champion, or when the candidate scores at least the champion's score."""
+    if not has_champion:
+        return True, "no champion yet"
+    if candidate_score is None:
+        return False, "the run has no eval set to compare on; promote by hand with comlrl promote --force"
+    if champion_score is None:
+        return False, "the champion could not be evaluated on this run's eval set"
+    if candidate_score >= champion_score:
+        return True, f"candidate {candidate_score:.4f} >= champion {champion_score:.4f}"
+    return False, f"candidate {candidate_score:.4f} < champion {champion_score:.4f}"
+
+
+def champion_versions(tracking_uri: str, spec: RunSpec, num_agents: int) -> dict[str, str] | None:
+    """The agent versions holding ``champion`` (None before the first promotion)."""
+    return tracking.aliased_versions(tracking_uri, tracking.agent_model_names(spec.registered_name, num_agents),
+                                     CHAMPION)
+
+
+def evaluate_champion(spec: RunSpec, tracking_uri: str, root: str | Path, workdir: str | Path) -> dict[str, float]:
+    """The champion's evaluation: the spec's trainer built with the champion agents, ``evaluate()``."""
+    champion_spec = build.with_registered_agents(spec, tracking_uri, CHAMPION)
+    trainer = build.build_trainer(champion_spec, root, workdir, (), tracking_uri)
+    return trainer.evaluate() if trainer.eval_dataset is not None else {}
+
+
+def run_gate(spec: RunSpec, evaluation: dict[str, float], candidates: dict[str, str], tracking_uri: str,
+             root: str | Path, workdir: str | Path, candidate_alias: str) -> GateDecision:
+    """Compare the run's candidates (``name -> version``: team and agents) with the champion, tag the
+    candidate versions with the decision and promote them if they win."""
+    team = team_model_name(spec.registered_name)
+    agents = {name: version for name, version in candidates.items() if name != team}
+    current = champion_versions(tracking_uri, spec, len(agents))
+    label = f"{team} v{candidates[team]}" if team in candidates else ", ".join(f"{n} v{v}" for n, v in agents.items())
+    metric, candidate_score = primary_eval(evaluation)
+    if current == agents:
+        decision = GateDecision(True, "already champion", label, label, metric, candidate_score, candidate_score)
+    else:
+        champion_label = _champion_label(tracking_uri, team, current)
+        champion_score = None
+        if current is not None and candidate_score is not None:
+            try:
+                champion_score = evaluate_champion(spec, tracking_uri, root, workdir).get(metric)
+            except Exception as error:  # a champion of another shape (agents, vocabulary) cannot be compared
+                champion_label = f"{champion_label} (not comparable: {str(error)[:200]})"
+        promoted, reason = decide(candidate_score, champion_score, current is not None)
+        decision = GateDecision(promoted, reason, label, champion_label, metric, candidate_score, champion_score)
+        if promoted:
+            tracking.promote(tracking_uri, list(candidates), candidate_alias, CHAMPION)
+    set_version_tags(tracking_uri, candidates, decision.tags())
+    return decision
+
+
+def _champion_label(tracking_uri: str, team: str, current: dict[str, str] | None) -> str | None:
+    if current is None:
+        return None
+    version = tracking.aliased_versions(tracking_uri, [team], CHAMPION)
+    if version:
+        return f"{team} v{version[team]}"
+    return ", ".join(f"{name} v{number}" for name, number in current.items())
+
+
+def registered_base_names(tracking_uri: str, base: str) -> list[str]:
+    """The team and agent models registered under ``base`` (team first, agents in order)."""
+    client = mlflow_client(tracking_uri)
+    agents = sorted((m.name for m in client.search_registered_models(filter_string=f"name LIKE '{base}-agent-%'")),
+                    key=lambda name: int(name.rsplit("-", 1)[1]) if name.rsplit("-", 1)[1].isdigit() else 0)
+    team = [m.name for m in client.search_registered_models(filter_string=f"name = '{team_model_name(base)}'")]
+    return team + agents
+
+
+def promote(tracking_uri: str, base: str, from_alias: str = "candidate", to_alias: str = CHAMPION,
+            force: bool = False) -> list[dict[str, str]]:
+    """Move ``to_alias`` to the ``from_alias`` versions of ``base``'s team and agents (all or none).
+
+    Without ``force`` a candidate the gate kept out (its ``comlrl.gate.decision`` tag) is refused,
+    and so is one the gate never judged; ``force`` moves the alias regardless."""
+    names = registered_base_names(tracking_uri, base)
+    if not names:
+        raise ValueError(f"no registered models named {team_model_name(base)} or {base}-agent-<i> in {tracking_uri}")
+    if not force:
+        version = tracking.aliased_versions(tracking_uri, names[:1], from_alias)
+        if version is None:
+            raise ValueError(f"registered model {names[0]!r} has no version with alias {from_alias!r}")
+        tags = version_tags(tracking_uri, names[0], version[names[0]])
+        if tags.get("comlrl.gate.decision") != "promoted":
+            why = tags.get("comlrl.gate.reason") or "the gate never judged it"
+            raise ValueError(f"{names[0]} version {version[names[0]]} ({from_alias}) did not pass the "
+                             f"champion/challenger gate ({why}); use --force to promote it anyway")
+    return tracking.promote(tracking_uri, names, from_alias, to_alias)

@@ -1,0 +1,103 @@
+"""Training progress as the flow reports it: a Prefect progress artifact and ``flows.progress`` log records.
+
+:class:`StepProgress` is a trainer callback: at every ``on_log`` of a training step it records
+the global step and the step's reward. It never waits on the Prefect API: the progress
+artifact is updated by a background thread (:class:`ProgressArtifact`) with the newest value,
+at most every ``interval`` seconds, and finally when the run ends. The same steps, and each
+finished boundary, are emitted as records of the standard ``flows.progress`` logger
+(``extra={"progress": {...}}``): nothing shows them in library use; the demo's console
+(:mod:`flows.console`) draws its progress bar and boundary lines from them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from typing import Any
+
+from comlrl.callbacks import TrainerCallback
+
+logger = logging.getLogger("flows.progress")
+
+
+def planned_steps(trainer: Any) -> int:
+    """Training steps of the whole run: epochs x batches, for every PbRL iteration's policy stage."""
+    policy = getattr(trainer, "policy_trainer", trainer)
+    iterations = getattr(trainer, "num_iterations", 1) if policy is not trainer else 1
+    return int(policy.args.num_train_epochs * policy.batches_per_epoch() * iterations)
+
+
+def emit(kind: str, message: str, **fields: Any) -> None:
+    """A ``flows.progress`` record (``kind``: ``start``, ``step``, ``boundary``, ``gate``)."""
+    level = logging.DEBUG if kind == "step" else logging.INFO
+    if logger.isEnabledFor(level):
+        logger.log(level, message, extra={"progress": {"kind": kind, **fields}})
+
+
+class ProgressArtifact:
+    """A Prefect progress artifact of the current flow run, updated from a background thread."""
+
+    def __init__(self, key: str, description: str, interval: float = 1.0) -> None:
+        from prefect.artifacts import create_progress_artifact
+
+        self.artifact_id = create_progress_artifact(0.0, key=key, description=description)
+        self.interval = interval
+        self._value: float | None = None
+        self._sent: float | None = 0.0
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self.errors = 0
+        context = contextvars.copy_context()  # the run's Prefect settings (API URL) for the thread
+        self._thread = threading.Thread(target=context.run, args=(self._loop,), daemon=True, name="progress-artifact")
+        self._thread.start()
+
+    def update(self, percent: float) -> None:
+        self._value = max(0.0, min(100.0, percent))
+        self._changed.set()
+
+    def _send(self) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        value = self._value
+        if value is None or value == self._sent:
+            return
+        try:
+            update_progress_artifact(self.artifact_id, value)
+            self._sent = value
+        except Exception as error:  # the UI's progress is not worth failing a run for
+            self.errors += 1
+            if self.errors == 1:
+                logger.warning("could not update the progress artifact: %s", error)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._changed.wait()
+            self._changed.clear()
+            self._send()
+            self._stop.wait(self.interval)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send the newest value and stop the thread."""
+        self._stop.set()
+        self._changed.set()
+        self._thread.join(timeout)
+        self._send()
+
+
+class StepProgress(TrainerCallback):
+    """Counts training steps towards ``total`` for the progress artifact and the console."""
+
+    def __init__(self, total: int, artifact: ProgressArtifact | None = None) -> None:
+        self.total = max(total, 1)
+        self.artifact = artifact
+        self.reward: float | None = None
+
+    def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
+        if any(key.startswith(("eval/", "pbrl/")) for key in metrics):
+            return  # evaluations and PbRL stage records are no training steps
+        done = getattr(trainer, "state").global_step
+        self.reward = metrics.get("reward_mean", self.reward)
+        if self.artifact is not None:
+            self.artifact.update(100.0 * done / self.total)
+        emit("step", f"step {done}/{self.total}", done=done, total=self.total, reward=self.reward)

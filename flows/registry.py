@@ -1,0 +1,113 @@
+"""The registry side of a run: the team model and the per-agent models, registered with their tags.
+
+Registered names for a spec whose ``registry.model_name`` (default: its name) is ``NAME``:
+
+- ``NAME-team``: the team model (:mod:`comlrl.team_model`), an MLflow pyfunc holding every agent;
+  prompts in, each agent's completion out. What consumers call.
+- ``NAME-agent-<i>``: each agent alone, an MLflow ``transformers`` text-generation model
+  (:func:`comlrl.tracking.register_agents`), for those who want one agent.
+
+Every version carries the run's tags (``comlrl.run_id``, ``comlrl.algorithm``,
+``comlrl.spec_hash``, ``mlflow.run_id``) and the spec's alias (``candidate``); the team version
+also ``comlrl.agent_versions`` (the agent versions of the same run). Registration is idempotent per
+MLflow run: a re-run of a finished run finds its versions instead of registering new ones.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+from comlrl import tracking
+from comlrl.team_model import TeamSettings, log_team_model, save_team
+from flows.spec import RunSpec
+
+# A prompt for the per-agent models' input example when the eval set gives none.
+DEFAULT_EXAMPLE = "tell me about the cat"
+
+
+def team_model_name(base: str) -> str:
+    return f"{base}-team"
+
+
+def policy_of(trainer: Any) -> Any:
+    """The trainer that owns the agents (a preference run's policy trainer)."""
+    return getattr(trainer, "policy_trainer", trainer)
+
+
+def example_prompts(trainer: Any, count: int = 2) -> list[str]:
+    """Prompts of the eval set (else the train set) for input examples."""
+    dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
+    prompts = [str(dataset[index].get("prompt", "")) for index in range(min(count, len(dataset)))]
+    return [prompt for prompt in prompts if prompt] or [DEFAULT_EXAMPLE]
+
+
+def team_settings(trainer: Any, spec: RunSpec) -> TeamSettings:
+    policy = policy_of(trainer)
+    return TeamSettings.from_rollout(policy.rollout_spec, policy.num_agents, policy.dtype, spec.formatters,
+                                     spec.transition)
+
+
+def mlflow_client(tracking_uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri)
+
+
+def _entry(name: str, version: str, alias: str) -> dict[str, str]:
+    return {"name": name, "version": str(version), "alias": alias, "uri": f"models:/{name}@{alias}"}
+
+
+def register_team(identity: dict[str, Any], trainer: Any, spec: RunSpec, tags: dict[str, str], alias: str,
+                  directory: str | Path, agent_versions: Sequence[dict[str, str]]) -> dict[str, str]:
+    """Save the team (weights as safetensors directories, settings as JSON), log it as a pyfunc model
+    of the MLflow run with signature and input example, register it as ``NAME-team``, tag it, alias it."""
+    import mlflow
+
+    name = team_model_name(spec.registered_name)
+    client = mlflow_client(identity["tracking_uri"])
+    existing = [v for v in client.search_model_versions(f"name = '{name}'") if v.run_id == identity["run_id"]]
+    if existing:
+        version = str(existing[0].version)
+    else:
+        settings = team_settings(trainer, spec)
+        save_team(trainer, directory, settings)
+        mlflow.set_tracking_uri(identity["tracking_uri"])
+        with mlflow.start_run(run_id=identity["run_id"]):
+            info = log_team_model(directory, settings, example_prompts(trainer))
+        version = str(mlflow.register_model(info.model_uri, name).version)
+        versions = {entry["name"]: entry["version"] for entry in agent_versions}
+        for key, value in {**tags, "comlrl.agent_versions": json.dumps(versions)}.items():
+            client.set_model_version_tag(name, version, key, value)
+    client.set_registered_model_alias(name, alias, version)
+    return _entry(name, version, alias)
+
+
+def register_agents(identity: dict[str, Any], trainer: Any, spec: RunSpec, tags: dict[str, str],
+                    alias: str) -> list[dict[str, str]]:
+    """Every agent as its own text-generation model (``NAME-agent-<i>``), with an input example."""
+    policy = policy_of(trainer)
+    return tracking.register_agents(identity, policy.agents, policy.tokenizers, spec.registered_name, tags, alias,
+                                    input_example=example_prompts(trainer, 1)[0],
+                                    signature=agent_signature(policy.args.max_new_tokens))
+
+
+def agent_signature(max_new_tokens: int) -> Any:
+    """A prompt in, its continuation out; ``max_new_tokens`` and ``do_sample`` as inference params
+    (given, MLflow need not generate at logging time to infer it)."""
+    from mlflow.models import infer_signature
+
+    return infer_signature("a prompt", "a prompt and its continuation",
+                           params={"max_new_tokens": int(max_new_tokens), "do_sample": True})
+
+
+def version_tags(tracking_uri: str, name: str, version: str) -> dict[str, str]:
+    return dict(mlflow_client(tracking_uri).get_model_version(name, version).tags)
+
+
+def set_version_tags(tracking_uri: str, versions: dict[str, str], tags: dict[str, str]) -> None:
+    client = mlflow_client(tracking_uri)
+    for name, version in versions.items():
+        for key, value in tags.items():
+            client.set_model_version_tag(name, version, key, value)
