@@ -349,7 +349,9 @@ def run_matrix_marlhf(model_dir: str, prompts: list[str], out: Path) -> None:
     (out / "marlhf" / f"rows_{rank}.json").write_text(json.dumps(shard))
 
     local = build_matrix_marlhf(model_dir, prompts, per_device_batch=MATRIX_GLOBAL_BATCH // 2)
-    local.preference.data_parallel = EachRankAlone(local.preference.data_parallel)
+    alone = EachRankAlone(local.preference.data_parallel)
+    local.preference.data_parallel = alone
+    local.preference.collection.data_parallel = alone  # the pairs' own component collects and gathers
     local.data_parallel.seed(local.args.seed, 0)  # each rank's own sampling stream, as train() sets it
     local.run_next_stage()  # collect_preferences
     local.run_next_stage()  # fit_reward_model
