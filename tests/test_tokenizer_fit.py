@@ -22,7 +22,8 @@ from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 ROWS = 323  # 320 byte-level BPE tokens + <|endoftext|>, <|im_start|>, <|im_end|>
 EXTRA = "<unk>"  # what the reload appends, as id 323
-TINY = dict(num_agents=2, num_generations=2, max_new_tokens=4, per_device_train_batch_size=1, disable_tqdm=True)
+TINY = dict(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=1, per_device_train_batch_size=1,
+            disable_tqdm=True)
 
 
 @pytest.fixture(scope="module")
