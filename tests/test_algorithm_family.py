@@ -194,3 +194,26 @@ def test_marlhf_policy_stage_carries_the_reference_kl(tiny_llama):
     assert trainer.policy_trainer.references is not None
     kls = [step["reference_kl_mean"] for step in trainer.state.history if "reference_kl_mean" in step]
     assert kls and kls[0] == 0.0 and max(kls) > 0.0, kls
+
+
+def test_checkpoints_never_hold_the_reference(tiny_llama, tmp_path):
+    """The reference is rebuilt from the trainer's sources at construction; a checkpoint saves only trained models."""
+    trainer = build(tiny_llama, reference_kl_enabled=True)
+    trainer.train(checkpoint_dir=tmp_path, checkpoint_interval=1)
+    checkpoint = tmp_path / "checkpoint-1"
+    saved = sorted(p.stem for p in (checkpoint / "models").glob("*.safetensors"))
+    assert saved == ["agent_0", "agent_1"]
+    state = torch.load(checkpoint / "state.pt", weights_only=True)
+
+    def keys(value, prefix=""):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                yield f"{prefix}{key}"
+                yield from keys(item, f"{prefix}{key}.")
+
+    assert not [key for key in keys(state) if "reference" in key.lower()]
+    resumed = build(tiny_llama, reference_kl_enabled=True)
+    initial = {name: p.detach().clone() for name, p in resumed.agents[0].named_parameters()}
+    resumed.train(resume_from_checkpoint=checkpoint)
+    reference = dict(resumed.references[0].model.named_parameters())
+    assert all(torch.equal(reference[name], value) for name, value in initial.items())  # initial weights, not checkpoint's
