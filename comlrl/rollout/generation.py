@@ -1,8 +1,8 @@
 """Generation: batched sampling of completions from one agent.
 
 All ``num_generations`` samples of every prompt are decoded together, with left padding and
-the KV cache, by :func:`comlrl.rollout.sampling.decode` (or, with ``backend="transformers"``, one
-``model.generate`` call); completions are returned as padded tensors plus a mask that keeps
+the KV cache, each prompt prefilled once, by :func:`comlrl.rollout.sampling.decode` (or, with
+``backend="transformers"``, one ``model.generate`` call); completions are returned as padded tensors plus a mask that keeps
 tokens up to and including the first EOS.
 """
 
@@ -189,11 +189,8 @@ def generate_completions(
         completion_ids = _generate_with_transformers(
             model, tokenizer, prompt_ids, prompt_mask, num_generations, sampling, generator)
     else:
-        completion_ids = decode(
-            model, prompt_ids.repeat_interleave(num_generations, dim=0),
-            prompt_mask.repeat_interleave(num_generations, dim=0), sampling, eos_ids(tokenizer),
-            tokenizer.pad_token_id, generator,
-        )
+        completion_ids = decode(model, prompt_ids, prompt_mask, sampling, eos_ids(tokenizer), tokenizer.pad_token_id,
+                                generator, num_generations)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)
     completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tokenizer.pad_token_id))
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

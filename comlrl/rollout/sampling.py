@@ -5,7 +5,10 @@ token per step through the KV cache, finished rows padded, stop when every row h
 without its per-token machinery (logits-processor lists, stopping-criteria objects, input
 preparation): on small models that machinery is a large share of each decode step. Given the
 same RNG state it draws exactly the tokens ``generate`` draws (tests/test_sampling.py), and it
-takes an explicit ``torch.Generator``, so agents sampling side by side stay reproducible.
+takes an explicit ``torch.Generator``, so agents sampling side by side stay reproducible. One
+difference: it prefills each prompt once for all its samples, where ``generate`` prefills every
+sample; on larger models the matrix library can then round the prefill's logits differently in
+the last bits (SmolLM2-135M: up to 5e-5), so a draw that falls on a probability boundary can differ.
 """
 
 from __future__ import annotations
@@ -87,13 +90,22 @@ def _forward_parameters(model_class: type) -> frozenset[str]:
     return frozenset(inspect.signature(model_class.forward).parameters)
 
 
+def forward_parameters(model: PreTrainedModel) -> frozenset[str]:
+    """Names ``model.forward`` accepts; a peft wrapper forwards ``**kwargs``, so its base model's are asked."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return _forward_parameters(type(base))
+
+
+def cache_argument(model: PreTrainedModel) -> str:
+    """The name ``forward`` takes a KV cache under (``past_key_values`` was renamed ``cache`` in transformers 5.x)."""
+    return "cache" if "cache" in forward_parameters(model) else "past_key_values"
+
+
 def _forward(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
              cache: DynamicCache) -> torch.Tensor:
-    # A peft wrapper forwards **kwargs; what the model accepts is its base model's signature.
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    accepted = _forward_parameters(type(base))
+    accepted = forward_parameters(model)
     extra = {"position_ids": positions} if "position_ids" in accepted else {}
-    extra["cache" if "cache" in accepted else "past_key_values"] = cache  # renamed in transformers 5.x
+    extra["cache" if "cache" in accepted else "past_key_values"] = cache  # cache_argument, one lookup per step
     output = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **extra)
     return output.logits[:, -1, :].float()
 
@@ -106,29 +118,41 @@ def decode(
     eos_token_ids: list[int],
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    num_generations: int = 1,
 ) -> torch.Tensor:
-    """Completion IDs ``[rows, steps]`` for left-padded prompts; rows that ended are padded.
+    """Completion IDs ``[rows * num_generations, steps]`` for left-padded prompts; rows that ended are padded.
 
-    ``steps`` is ``max_new_tokens`` unless every row emitted an EOS earlier. The loop runs in
-    ``inference_mode`` (less per-operator bookkeeping than ``no_grad``); the IDs are copied out
-    of it, because the update's autograd forward takes them as input.
+    Row ``p * num_generations + g`` is sample ``g`` of prompt ``p``. Each prompt is prefilled once
+    and its KV cache copied for its ``num_generations`` samples: the prefill is most of a short
+    completion's arithmetic, and ``generate`` repeats it per sample. ``steps`` is ``max_new_tokens``
+    unless every row emitted an EOS earlier. The loop runs in ``inference_mode`` (less per-operator
+    bookkeeping than ``no_grad``); the IDs are copied out of it, because the update's autograd
+    forward takes them as input.
     """
     with torch.inference_mode():
-        tokens = _decode_loop(model, prompt_ids, prompt_mask, sampling, eos_token_ids, pad_token_id, generator)
+        tokens = _decode_loop(model, prompt_ids, prompt_mask, sampling, eos_token_ids, pad_token_id, generator,
+                              num_generations)
     return tokens.clone()
 
 
 def _decode_loop(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampling: SamplingParams,
-                 eos_token_ids: list[int], pad_token_id: int, generator: torch.Generator | None) -> torch.Tensor:
-    rows, prompt_length = prompt_ids.shape
+                 eos_token_ids: list[int], pad_token_id: int, generator: torch.Generator | None,
+                 num_generations: int = 1) -> torch.Tensor:
+    prompt_length = prompt_ids.shape[1]
+    rows = prompt_ids.shape[0] * num_generations
     device = prompt_ids.device
     # Without padding the causal mask is all the attention needs, and building a padding mask
     # every step is a tenth of a small model's decode step: pass none, as generate ends up doing.
     padded = not bool(prompt_mask.all())
-    mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, sampling.max_new_tokens)], dim=1) if padded else None
     cache = DynamicCache(config=model.config)
     positions = prompt_positions(prompt_mask)
     logits = _forward(model, prompt_ids, prompt_mask if padded else None, positions, cache)
+    if num_generations > 1:  # every sample of a prompt continues from the same prefill
+        cache.batch_repeat_interleave(num_generations)
+        logits = logits.repeat_interleave(num_generations, dim=0)
+        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
+        positions = positions.repeat_interleave(num_generations, dim=0)
+    mask = torch.cat([prompt_mask, prompt_mask.new_ones(rows, sampling.max_new_tokens)], dim=1) if padded else None
     position = positions[:, -1:]
     eos = torch.tensor(eos_token_ids, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)

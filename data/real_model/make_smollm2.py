@@ -11,8 +11,8 @@ downloaded. The package is located without being imported (importing it would ne
 ``llama-cpp-python``, which only the llm CLI plugin uses; hence ``--no-deps`` above).
 
 Idempotent: a directory whose ``source.json`` names the same GGUF file (path, size) is kept as it
-is; otherwise the model is written to a temporary sibling and moved into place, so an interrupted
-run never leaves a half-written model behind.
+is; otherwise the model is written to a temporary sibling (``<name>.partial``) and moved into place
+once complete.
 """
 
 from __future__ import annotations

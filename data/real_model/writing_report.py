@@ -5,7 +5,7 @@
 
 From the run directory's ``result.json`` (its MLflow run and registered agents) this
 
-1. evaluates the base model exactly as the run evaluated (``trainer.evaluate()``: the first
+1. evaluates the base model as the run evaluated (``trainer.evaluate()``: the first
    ``eval_num_samples`` eval rows, the run's seed) and logs it to the MLflow run as
    ``eval/reward_mean`` at step 0, the point before training;
 2. draws ``eval/reward_mean`` (and the training batches' ``reward_mean``) over steps to
