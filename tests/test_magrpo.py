@@ -209,3 +209,43 @@ def test_single_agent_is_grpo(tiny_llama, train_dataset):
         args=MAGRPOConfig(num_train_epochs=1, num_agents=1, **FAST),
     )
     assert len(trainer.train()) == len(train_dataset)
+
+
+def _sequential_map(function, devices):
+    """A user-supplied agent map that runs the agents in turn, like the default (a real AgentMap, not a mock)."""
+    return [function(index) for index in range(len(devices))]
+
+
+def test_each_agent_steps_right_after_its_backward_with_the_same_result(tiny_llama):
+    """On one device an agent's optimizer steps before the next agent's backward pass, so its gradients are
+    freed first (memory); the weights end bit-identical to stepping all agents after all passes."""
+    from datasets import Dataset
+
+    from comlrl.tasks.letters import letters_reward, rows
+
+    def build():
+        config = MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=6, temperature=1.0, top_p=1.0,
+                              top_k=None, agent_learning_rate=1e-3, per_device_train_batch_size=2,
+                              num_train_epochs=1, seed=4, disable_tqdm=True)
+        return MAGRPOTrainer(agent_model=tiny_llama, args=config, reward_func=letters_reward,
+                             train_dataset=Dataset.from_list(rows(4)))
+
+    in_turn = build()
+    assert in_turn.agents_run_in_turn()
+    held: list[bool] = []  # while agent 1 backpropagates: does agent 0 still hold gradients?
+    next(in_turn.agents[1].parameters()).register_hook(
+        lambda grad: held.append(any(p.grad is not None for p in in_turn.agents[0].parameters())))
+    in_turn.train()
+    assert held and not any(held)
+
+    all_then_step = build()
+    all_then_step.agent_map = _sequential_map
+    assert not all_then_step.agents_run_in_turn()
+    held.clear()
+    next(all_then_step.agents[1].parameters()).register_hook(
+        lambda grad: held.append(any(p.grad is not None for p in all_then_step.agents[0].parameters())))
+    all_then_step.train()
+    assert held and all(held)  # the other path: agent 0's gradients wait for the joint step
+    for a, b in zip(in_turn.agents, all_then_step.agents):
+        for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+            assert torch.equal(x, y), name

@@ -142,6 +142,12 @@ OPTION_CELLS = [
     ("iac", 1, 1, "linear", False, dict(reference_kl_enabled=True, reference_kl_mode="loss")),
     ("maac", 1, 3, "linear", True, dict(reference_kl_enabled=True, reference_kl_mode="loss")),
     ("maac", 2, 1, "constant", False, dict(reference_kl_enabled=True)),
+    # Mixed precision (bf16 sampling copies, bf16 autocast of the log-prob forwards): resume is still exact.
+    ("magrpo", 1, 3, "linear", True, dict(precision="bf16-mixed")),
+    ("marloo", 2, 1, "cosine", False, dict(precision="bf16-mixed", reference_kl_enabled=True, reference_kl_mode="loss")),
+    ("iac", 2, 3, "constant", False, dict(precision="bf16-mixed")),
+    ("maac", 1, 1, "linear", True, dict(precision="bf16-mixed", reference_kl_enabled=True)),
+    ("marlhf", 2, 3, "cosine", False, dict(precision="bf16-mixed")),
 ]
 ADVANTAGE_MODE = {"mareinforce": "raw", "maremax": "max", "marloo": "rloo", "magrpo": "mean"}
 
@@ -153,16 +159,19 @@ def test_option_cells_cover_every_pairing():
         kl = options.get("reference_kl_mode", "reward") if options.get("reference_kl_enabled") else "off"
         return {"mode": ADVANTAGE_MODE.get(kind), "loss": options.get("loss_type", "grpo") if family else None,
                 "kl": kl, "passes": passes, "accumulation": accumulation, "lora": lora,
-                "family": "reinforce" if family else kind}
+                "precision": options.get("precision", "fp32"), "family": "reinforce" if family else kind}
 
     seen = [values(cell) for cell in OPTION_CELLS]
-    wanted = {"mode": ["raw", "max", "rloo"], "loss": ["bnpo", "dapo", "dr_grpo"], "kl": ["off", "reward", "loss"]}
+    wanted = {"mode": ["raw", "max", "rloo"], "loss": ["bnpo", "dapo", "dr_grpo"], "kl": ["off", "reward", "loss"],
+              "precision": ["bf16-mixed"]}
     others = {"passes": [1, 2], "accumulation": [1, 3], "lora": [False, True]}
     missing = [(dim, value, other, choice) for dim, values_ in wanted.items() for value in values_
                for other, choices in others.items() for choice in choices
                if not any(s[dim] == value and s[other] == choice for s in seen)]
     missing += [("kl", mode, "family", family) for mode in ("reward", "loss") for family in ("reinforce", "iac", "maac")
                 if not any(s["kl"] == mode and s["family"] == family for s in seen)]
+    missing += [("precision", "bf16-mixed", "family", family) for family in ("reinforce", "iac", "maac", "marlhf")
+                if not any(s["precision"] == "bf16-mixed" and s["family"] == family for s in seen)]
     assert not missing, missing
 
 

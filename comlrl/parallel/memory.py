@@ -11,15 +11,16 @@ from transformers import PreTrainedModel
 
 from comlrl.parallel.device import default_dtype
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The weights' dtype of each precision; "bf16-mixed" keeps float32 weights (comlrl.training.mixed_precision).
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "bf16-mixed": torch.float32}
 
 
 def resolve_precision(precision: str, device: torch.device) -> torch.dtype:
     """``"auto"``: bf16 on CUDA GPUs that support it, float32 elsewhere; otherwise the named dtype."""
     if precision == "auto":
         return default_dtype(device)
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ValueError(f"precision='bf16' was requested but {device} does not support bfloat16; use 'fp16' or 'fp32'")
+    if precision in ("bf16", "bf16-mixed") and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"precision={precision!r} was requested but {device} does not support bfloat16; use 'fp16' or 'fp32'")
     return PRECISIONS[precision]
 
 

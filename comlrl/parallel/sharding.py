@@ -130,13 +130,16 @@ def model_class(module: torch.nn.Module) -> type:
 
 
 def check_shardable(trainer_name: str, refusal: str | None, lora_rank: int | None,
-                    devices: Sequence[torch.device]) -> None:
+                    devices: Sequence[torch.device], precision: str = "auto") -> None:
     """What an FSDP launch cannot do, refused before any model loads."""
     advice = "or launch with infra/accelerate/multi_gpu.yaml (every process holds whole agents)"
     if refusal is not None:
         raise ValueError(f"{trainer_name} cannot shard its models with FSDP: {refusal}; {advice}")
     if lora_rank is not None:
         raise ValueError(f"lora_rank={lora_rank} cannot be combined with FSDP yet; drop lora_rank, {advice}")
+    if precision == "bf16-mixed":
+        raise ValueError("precision='bf16-mixed' cannot be combined with FSDP yet (its bf16 sampling copies are whole "
+                         f"models); use precision='bf16', {advice}")
     own = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     placed = sorted({str(device) for device in devices})
     if placed != [str(own)]:

@@ -25,6 +25,7 @@ from comlrl.data import batches, check_dataset, epoch_order, format_prompt, reso
 from comlrl.parallel import distributed, sharding
 from comlrl.models import lora
 from comlrl.parallel.memory import device_memory_metrics, enable_gradient_checkpointing, resolve_precision
+from comlrl.training.mixed_precision import compute_dtype, sampling_models
 from comlrl.training.reference import ReferencePolicy, ReferenceTerms, reference_terms
 from comlrl.parallel.placement import (AgentMap, devices_of, local_gpus, map_by_device, private_tokenizers, resolve_placement,
                               runs_concurrently)
@@ -160,12 +161,14 @@ class MultiAgentTrainer(TrainingLoop):
         self.agent_devices = self.resolve_devices(self.args.device, sources, "device")
         self.device = self.agent_devices[0]
         self.dtype = self.model_config.get("dtype") or resolve_precision(self.args.precision, self.device)
+        # bf16 autocast of the log-prob forwards and bf16 sampling copies (precision="bf16-mixed"), else None.
+        self.autocast_dtype = compute_dtype(self.args.precision)
         if self.args.lora_rank is not None:
             lora.require_peft()
         self.check_before_loading(sources)
         if self.data_parallel.fsdp is not None:
             sharding.check_shardable(type(self).__name__, self.fsdp_refusal, self.args.lora_rank,
-                                     self.agent_devices + list(getattr(self, "critic_devices", [])))
+                                     self.agent_devices + list(getattr(self, "critic_devices", [])), self.args.precision)
 
         set_seed(self.args.seed)
         tokenizers = entities.resolve_tokenizers(
@@ -358,7 +361,7 @@ class MultiAgentTrainer(TrainingLoop):
         if self.references is None:
             return None
         generations = [[turn.generations[agent] for turn in rollout.turns] for agent in range(self.num_agents)]
-        return reference_terms(self.agents, self.references, generations, self.args.temperature)
+        return reference_terms(self.agents, self.references, generations, self.args.temperature, self.autocast_dtype)
 
     def reference_metrics(self, terms: ReferenceTerms | None) -> dict[str, float]:
         """``reference_kl_mean`` (per completion, all agents), per agent, and the penalty ``coef x KL``."""
@@ -374,8 +377,16 @@ class MultiAgentTrainer(TrainingLoop):
         """Stage 1: sample every turn of the episodes starting at ``rows``."""
         for agent in self.agents:
             agent.eval()
-        return rollout_episodes(self.agents, self.tokenizers, self.rollout_spec, rows, row_labels, self.agent_map,
-                                reward=self.reward)
+        return rollout_episodes(self.sampling_agents(), self.tokenizers, self.rollout_spec, rows, row_labels,
+                                self.agent_map, reward=self.reward)
+
+    def sampling_agents(self) -> list[torch.nn.Module]:
+        """What rollouts sample from: the agents, or bf16 copies of them under ``precision="bf16-mixed"``."""
+        return sampling_models(self.agents, self.autocast_dtype)
+
+    def agents_run_in_turn(self) -> bool:
+        """Whether per-agent work runs one agent after another (the default map, agents not on several GPUs)."""
+        return self.agent_map is map_by_device and not runs_concurrently(devices_of(self.agents))
 
     def score(self, rollout: Rollout, reward: JointReward | Callable | None = None) -> list[torch.Tensor]:
         """Stage 2: joint rewards per turn, ``[num_nodes, num_joint]`` each (``reward`` overrides the trainer's)."""

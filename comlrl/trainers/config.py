@@ -51,8 +51,10 @@ class RolloutConfig(ConfigBase):
         "one device for all ('cpu', 'cuda', 'cuda:N') or a list with one device per agent.", kind=(str, list),
         aliases=("agent_devices",))
     precision: str = option("auto", "Dtype the models load and train in: 'auto' (bf16 on CUDA GPUs that support it, "
-                            "else fp32), 'fp32', 'bf16' or 'fp16' (no loss scaling; prefer bf16).",
-                            choices=("auto", "fp32", "bf16", "fp16"))
+                            "else fp32), 'fp32', 'bf16', 'fp16' (no loss scaling; prefer bf16), or 'bf16-mixed' "
+                            "(fp32 weights and optimizer; bf16 autocast of the log-prob forwards and bf16 copies "
+                            "of the weights for sampling).",
+                            choices=("auto", "fp32", "bf16", "fp16", "bf16-mixed"))
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass to save memory.")
     lora_rank: int | None = option(None, "Train LoRA adapters of this rank on every actor (needs the 'lora' extra, "
                                    "peft); None = full fine-tuning.", min=1, kind=int, optional=True)

@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from comlrl.parallel import sharding
+from comlrl.training.mixed_precision import autocast
 from comlrl.rollout.sampling import cache_argument, forward_parameters
 
 
@@ -117,18 +118,21 @@ def completion_logits(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Logits that predict each completion token, ``[batch, completion_tokens, vocab]`` (float32).
 
     Only the logits that predict completion tokens are computed; rows sharing a prompt share its
     pass where that saves enough (module docstring). Dividing by the sampling ``temperature`` makes them the logits of the
-    distribution the completions were drawn from.
+    distribution the completions were drawn from. ``autocast_dtype`` runs the model's forward under
+    ``torch.autocast`` (mixed precision, :mod:`comlrl.training.mixed_precision`).
     """
     shared = distinct_prompts(prompt_ids, prompt_mask) if _can_share_prompts(model) else None
-    if shared is None or not _saves_enough(model, prompt_mask, shared[0].shape[0]):
-        logits = _full_pass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    else:
-        logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *shared)
+    with autocast(model, autocast_dtype):
+        if shared is None or not _saves_enough(model, prompt_mask, shared[0].shape[0]):
+            logits = _full_pass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        else:
+            logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *shared)
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -148,7 +152,9 @@ def completion_logprobs(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float = 1.0,
+    autocast_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Log-probability of each completion token, ``[batch, completion_tokens]``."""
-    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature)
+    logits = completion_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+                               autocast_dtype)
     return token_logprobs(logits, completion_ids)

@@ -41,7 +41,8 @@ def dropout_disabled(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
 
 
 @torch.inference_mode()
-def behaviour_logprobs(model: PreTrainedModel, generations: Sequence[Generation], temperature: float) -> list[torch.Tensor]:
+def behaviour_logprobs(model: PreTrainedModel, generations: Sequence[Generation], temperature: float,
+                       autocast_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Log-probabilities under the policy that sampled, before any update (no graph kept).
 
     Computed with dropout off (:func:`dropout_disabled`), whatever mode ``model`` is in, so two
@@ -49,7 +50,8 @@ def behaviour_logprobs(model: PreTrainedModel, generations: Sequence[Generation]
     """
     with dropout_disabled(model):
         return [
-            completion_logprobs(model, g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, temperature)
+            completion_logprobs(model, g.prompt_ids, g.prompt_mask, g.completion_ids, g.completion_mask, temperature,
+                                autocast_dtype)
             for g in generations
         ]
 
@@ -66,6 +68,7 @@ def policy_losses(
     max_completion_length: int | None = None,
     reference_logprobs: Sequence[torch.Tensor] | None = None,
     kl_coef: float = 0.0,
+    autocast_dtype: torch.dtype | None = None,
 ) -> Iterator[torch.Tensor]:
     """Each turn's clipped policy loss over its completions, normalised over all turns' completions as
     ``loss_type`` says (:func:`comlrl.algorithms.losses.aggregate_token_losses`: their sum is the agent's
@@ -77,7 +80,7 @@ def policy_losses(
     ``reference_logprobs`` with ``kl_coef > 0`` adds ``kl_coef`` times the k3 estimate of the KL to the
     reference on every token (the KL as a loss term, as TRL's GRPO ``beta``).
     ``entropy_coef > 0`` subtracts that multiple of the mean per-token entropy (an exploration
-    bonus). The passes run with dropout off (:func:`dropout_disabled`), as the behaviour
+    bonus). ``autocast_dtype`` runs the forward passes under autocast (``precision="bf16-mixed"``). The passes run with dropout off (:func:`dropout_disabled`), as the behaviour
     log-probabilities do, and stay so while the caller backpropagates (a checkpointed layer
     recomputes in the backward pass), so the first pass's probability ratio is exactly 1.
     """
@@ -89,11 +92,11 @@ def policy_losses(
             inputs = (generation.prompt_ids, generation.prompt_mask,
                       generation.completion_ids, generation.completion_mask)
             if entropy_coef > 0:
-                logits = completion_logits(model, *inputs, temperature)
+                logits = completion_logits(model, *inputs, temperature, autocast_dtype)
                 logprobs = token_logprobs(logits, generation.completion_ids)
                 entropy = masked_sequence_mean(token_entropy(logits), generation.completion_mask).mean()
             else:
-                logprobs = completion_logprobs(model, *inputs, temperature)
+                logprobs = completion_logprobs(model, *inputs, temperature, autocast_dtype)
             old = old_logprobs[turn] if old_logprobs is not None else logprobs.detach()
             per_token = clipped_token_losses(logprobs, old.to(logprobs.device),
                                              turn_advantages.to(logprobs.device), clip_epsilon)

@@ -66,7 +66,8 @@ class ReferencePolicy:
                 yield self.model
 
     @torch.no_grad()
-    def logprobs(self, generation: Generation, temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(self, generation: Generation, temperature: float = 1.0,
+                 autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Per-token log-probabilities of ``generation``'s completions under the reference, ``[rows, tokens]``
         (on the device of the completions; padding positions hold values to be masked by the caller)."""
         with self._active() as model:
@@ -74,6 +75,7 @@ class ReferencePolicy:
             values = completion_logprobs(
                 model, generation.prompt_ids.to(device), generation.prompt_mask.to(device),
                 generation.completion_ids.to(device), generation.completion_mask.to(device), temperature,
+                autocast_dtype,
             )
         return values.to(generation.completion_ids.device)
 
@@ -95,13 +97,14 @@ class ReferenceTerms:
 
 
 def reference_terms(agents: Sequence[PreTrainedModel], references: Sequence[ReferencePolicy],
-                    generations: Sequence[Sequence[Generation]], temperature: float) -> ReferenceTerms:
+                    generations: Sequence[Sequence[Generation]], temperature: float,
+                    autocast_dtype: torch.dtype | None = None) -> ReferenceTerms:
     """:class:`ReferenceTerms` of ``generations[agent][turn]``: one forward pass of each agent (no graph, dropout
     off, before any update: the behaviour log-probabilities) and one of its reference per turn."""
     behaviour, reference, kl = [], [], []
     for agent, policy, agent_generations in zip(agents, references, generations):
-        policy_logprobs = behaviour_logprobs(agent, agent_generations, temperature)
-        reference_logprobs = [policy.logprobs(g, temperature) for g in agent_generations]
+        policy_logprobs = behaviour_logprobs(agent, agent_generations, temperature, autocast_dtype)
+        reference_logprobs = [policy.logprobs(g, temperature, autocast_dtype) for g in agent_generations]
         behaviour.append(policy_logprobs)
         reference.append(reference_logprobs)
         kl.append([sequence_kl(k3_token_kl(p, r.to(p.device)), g.completion_mask.to(p.device))

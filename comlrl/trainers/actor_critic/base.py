@@ -313,7 +313,8 @@ class ActorCriticTrainer(MultiAgentTrainer):
             losses = policy_losses(agent, generations, [advantages[rows[t], t] for t in range(len(generations))],
                                    ON_POLICY_CLIP, self.args.temperature, entropy_coef=self.args.entropy_coef,
                                    reference_logprobs=reference.reference[index] if kl_loss else None,
-                                   kl_coef=self.args.reference_kl_coef if kl_loss else 0.0)
+                                   kl_coef=self.args.reference_kl_coef if kl_loss else 0.0,
+                                   autocast_dtype=self.autocast_dtype)
             metrics[f"agent_{index}/policy_loss"] = backpropagate(losses, components[f"agent_{index}"].loss_scale)
         steps: dict[str, Any] = {}
         for index, (name, model) in enumerate(zip(self.value_model_names(), self.value_models)):

@@ -100,7 +100,7 @@ class PreferenceCollection:
     def _collect_rows(self, policy: Any, task_reward: JointReward, spec: Any, comparator_spec: Any,
                       rows: list[dict[str, Any]], indices: list[int], iteration: int,
                       generator: torch.Generator | None, seen: dict[str, list[float]]) -> list[dict[str, Any]]:
-        rollout = rollout_episodes(policy.agents, policy.tokenizers, spec, rows, indices, policy.agent_map)
+        rollout = rollout_episodes(policy.sampling_agents(), policy.tokenizers, spec, rows, indices, policy.agent_map)
         rewards = score_rollout(rollout, task_reward)[0].float().cpu()
         n = spec.num_generations
         texts = rollout.joint_completions(0)

@@ -39,11 +39,11 @@ from comlrl.trainers.preference.madpo_config import MADPOConfig
 DPO_TEMPERATURE = 1.0
 
 
-def sequence_logprobs(model: Any, generation: Generation) -> torch.Tensor:
+def sequence_logprobs(model: Any, generation: Generation, autocast_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each row's completion log-probability under ``model`` (dropout off), ``[rows]``; keeps the graph."""
     with dropout_disabled(model):
         tokens = completion_logprobs(model, generation.prompt_ids, generation.prompt_mask, generation.completion_ids,
-                                     generation.completion_mask, DPO_TEMPERATURE)
+                                     generation.completion_mask, DPO_TEMPERATURE, autocast_dtype)
     return dpo.sequence_logprobs(tokens, generation.completion_mask)
 
 
@@ -127,7 +127,7 @@ class MADPOTrainer(MultiAgentTrainer):
     def log_ratio_differences(self, agent: int, generation: Generation,
                               reference: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """``delta`` per pair of agent ``agent`` (with its graph unless called under no_grad)."""
-        values = sequence_logprobs(self.agents[agent], generation)
+        values = sequence_logprobs(self.agents[agent], generation, self.autocast_dtype)
         half = values.shape[0] // 2
         if reference is None:
             return dpo.log_ratio_differences(values[:half], values[half:])
@@ -140,7 +140,8 @@ class MADPOTrainer(MultiAgentTrainer):
             return [None] * self.num_agents
         result = []
         for reference, generation in zip(self.references, generations):
-            values = dpo.sequence_logprobs(reference.logprobs(generation, DPO_TEMPERATURE), generation.completion_mask)
+            values = dpo.sequence_logprobs(reference.logprobs(generation, DPO_TEMPERATURE, self.autocast_dtype),
+                                             generation.completion_mask)
             half = values.shape[0] // 2
             result.append((values[:half], values[half:]))
         return result

@@ -68,7 +68,16 @@ class MAGRPOTrainer(MultiAgentTrainer):
         def backward_agent(agent_index: int) -> dict[str, float]:
             return self.update_agent(agent_index, rollout, advantages[agent_index], reference)
 
-        if self.args.policy_update_epochs == 1:
+        if self.args.policy_update_epochs == 1 and self.agents_run_in_turn():
+            # One agent after another: each steps right after its backward pass, so its gradients are
+            # freed before the next agent's pass (the same result: an agent's loss reads no other's weights).
+            steps = {}
+            for index in range(self.num_agents):
+                metrics.update(backward_agent(index))
+                component = self.model_optimizers[f"agent_{index}"]
+                steps[component.name] = component.micro_step()
+            metrics.update(self.record_steps(steps))
+        elif self.args.policy_update_epochs == 1:
             # Agents on different GPUs backpropagate side by side; the steps (and all-reduces) follow in order.
             for agent_metrics in self.agent_map(backward_agent, devices_of(self.agents)):
                 metrics.update(agent_metrics)
@@ -97,14 +106,14 @@ class MAGRPOTrainer(MultiAgentTrainer):
         old = None
         if passes > 1:
             old = reference.behaviour[agent_index] if reference is not None else behaviour_logprobs(
-                agent, generations, args.temperature)
+                agent, generations, args.temperature, self.autocast_dtype)
         kl_loss = reference is not None and args.reference_kl_mode == "loss"
         for _ in range(passes):
             losses = policy_losses(
                 agent, generations, advantages, args.clip_epsilon, args.temperature, old,
                 loss_type=args.loss_type, max_completion_length=args.max_new_tokens,
                 reference_logprobs=reference.reference[agent_index] if kl_loss else None,
-                kl_coef=args.reference_kl_coef if kl_loss else 0.0,
+                kl_coef=args.reference_kl_coef if kl_loss else 0.0, autocast_dtype=self.autocast_dtype,
             )
             loss = backpropagate(losses, component.loss_scale)
             if passes > 1:
