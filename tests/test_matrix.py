@@ -8,7 +8,8 @@ For each cell a run of two boundaries is checked for what the user planned:
 - resuming from a checkpoint taken mid-run ends bit-identical to the uninterrupted run, with the
   same learning rates at the remaining steps.
 A second group interrupts a run mid-epoch while gradients are pending (accumulation 3) and
-resumes it. The data-parallel cells are in test_matrix_ddp.py, the generation backends in
+resumes it. OPTION_CELLS add the later options (advantage mode, loss type, reference KL, mixed
+precision) and MADPO in pairings. The data-parallel cells are in test_matrix_ddp.py, the generation backends in
 test_backends.py.
 
 Sizes: 4 prompts, batch 1, so an epoch has 4 rollout batches; with accumulation 3 that is not a
@@ -29,7 +30,7 @@ from transformers import AutoTokenizer
 from comlrl.callbacks import TrainerCallback
 from comlrl.errors import TrainingInterrupted
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
-from comlrl.trainers.preference import MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
+from comlrl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
 from comlrl.trainers.reinforce import (MAGRPOConfig, MAGRPOTrainer, MAREINFORCEConfig, MAREINFORCETrainer,
                                        MAReMaxConfig, MAReMaxTrainer, MARLOOConfig, MARLOOTrainer)
 
@@ -40,7 +41,7 @@ PROMPTS = ["write about the cat", "write about the sun", "write about the tree",
 LEARNING_RATE = 1e-3
 # The boundary each trainer's resume starts from (after it, the run still has work that depends on the state).
 RESUME_FROM = {"magrpo": 1, "iac": 1, "maac": 1, "marlhf": 2, "marlhf_iter": 4, "mareinforce": 1, "maremax": 1,
-               "marloo": 1}
+               "marloo": 1, "madpo": 1}
 
 
 def letters_reward(completions_0, completions_1):
@@ -56,6 +57,9 @@ def build(kind: str, model: str, passes: int, accumulation: int, schedule: str, 
     if kind in FAMILY:
         trainer, config = FAMILY[kind]
         return trainer(agent_model=model, args=config(policy_update_epochs=passes, num_train_epochs=2, **common), **data)
+    if kind == "madpo":  # one DPO micro-batch per rollout batch: no update passes
+        assert passes == 1
+        return MADPOTrainer(agent_model=model, args=MADPOConfig(num_train_epochs=2, **common), **data)
     if kind in ("iac", "maac"):
         critic = dict(critic_learning_rate=2 * LEARNING_RATE, critic_update_epochs=passes, num_train_epochs=2)
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -148,6 +152,11 @@ OPTION_CELLS = [
     ("iac", 2, 3, "constant", False, dict(precision="bf16-mixed")),
     ("maac", 1, 1, "linear", True, dict(precision="bf16-mixed", reference_kl_enabled=True)),
     ("marlhf", 2, 3, "cosine", False, dict(precision="bf16-mixed")),
+    # MADPO (one DPO micro-batch per rollout batch, so one update pass), each schedule, LoRA, pair selections.
+    ("madpo", 1, 3, "linear", True, dict(pair_selection="random")),
+    ("madpo", 1, 1, "cosine", False, dict(precision="bf16-mixed")),
+    ("madpo", 1, 3, "constant", False, dict(dpo_reference="none")),
+    ("madpo", 1, 1, "linear", True, dict(max_pairs_per_prompt=1)),
 ]
 ADVANTAGE_MODE = {"mareinforce": "raw", "maremax": "max", "marloo": "rloo", "magrpo": "mean"}
 
