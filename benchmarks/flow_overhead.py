@@ -1,7 +1,7 @@
 """Orchestration overhead: the training flow against the plain trainer, same spec, same steps.
 
 Every variant trains the bundled demo spec (``flows/specs/letters.yaml``: two tiny Llama agents,
-MAGRPO, 3 epochs of 16 steps). Each process runs rounds of the three variants back to back, in
+MAGRPO, 3 epochs of 128 steps). Each process runs rounds of the three variants back to back, in
 rotating order (after one unrecorded warm-up round), and the overheads are the medians of the
 per-round ratios, so slow drifts of a shared machine's load cancel out:
 

@@ -2,27 +2,27 @@
 
 The workload is ``real_model.py``'s (2 SmolLM2-135M agents, 2 prompts, 4 generations, 32 new
 tokens, one MAGRPO epoch per step) on this library. A variant is a set of patches, open while
-its step runs: some restore the code path this library had before a change ("before"), others
-stand for changes proposed to the trainers, measured here without editing them. CPU time: all
+its step runs: some restore the code path this library had before a change ("before"), some
+switch on what a config option switches on (the ``bf16-mixed*`` variants set the trainer's
+``autocast_dtype``, which ``precision="bf16-mixed"`` sets, so one trainer serves every variant),
+and the "tried" ones are changes that did not pay, kept to document them. CPU time: all
 variants in one process, one step each in turn for ``--rounds`` rounds, so that they are compared
 under the same load on the same weights (1 torch thread; median per variant). Peak RSS
 (``--memory``): each variant in its own process, after a warm-up step and ``--steps`` more.
 
     .venv/bin/python benchmarks/real_levers.py                          # CPU time of every variant
-    .venv/bin/python benchmarks/real_levers.py --memory --variants before shared step-per-agent
+    .venv/bin/python benchmarks/real_levers.py --memory --variants before shared steps-after-all-backwards
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import functools
 import json
 import resource
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -46,7 +46,7 @@ def swapped(*swaps: tuple[Any, str, Any]) -> Iterator[None]:
             setattr(owner, name, value)
 
 
-def unshared_prefill() -> contextlib.AbstractContextManager:
+def unshared_prefill(trainer: Any) -> contextlib.AbstractContextManager:
     """Before: every sample's prompt prefilled (the prompts repeated num_generations times first)."""
     import comlrl.rollout.generation as generation
     from comlrl.rollout.sampling import decode
@@ -58,7 +58,7 @@ def unshared_prefill() -> contextlib.AbstractContextManager:
     return swapped((generation, "decode", repeated))
 
 
-def unshared_update() -> contextlib.AbstractContextManager:
+def unshared_update(trainer: Any) -> contextlib.AbstractContextManager:
     """Before: one pass over prompt + completion per row in the update."""
     import comlrl.training.logprobs as logprobs
 
@@ -78,52 +78,43 @@ def under_autocast(owner: Any, name: str) -> contextlib.AbstractContextManager:
     return swapped((owner, name, autocast))
 
 
-def autocast_update() -> contextlib.AbstractContextManager:
-    """Proposed: the update's forward (and so its backward) under CPU bf16 autocast; weights, gradients
-    and AdamW stay float32."""
-    import comlrl.training.policy_update as policy_update
-
-    return under_autocast(policy_update, "completion_logprobs")
-
-
-def autocast_generation() -> contextlib.AbstractContextManager:
+def autocast_generation(trainer: Any) -> contextlib.AbstractContextManager:
     """Tried: the decode loop under CPU bf16 autocast (float32 weights cast at every forward)."""
     import comlrl.rollout.sampling as sampling
 
     return under_autocast(sampling, "_decode_loop")
 
 
-def bf16_generation_copy() -> contextlib.AbstractContextManager:
-    """Proposed: decode with a bf16 copy of each agent's weights (made here at every rollout, its cost included)."""
+def bf16_mixed(trainer: Any) -> contextlib.AbstractContextManager:
+    """The library's ``precision="bf16-mixed"``: bf16 sampling copies made at each rollout, bf16 autocast of
+    every log-prob forward (the trainer's ``autocast_dtype``, which that config sets)."""
     import torch
 
-    import comlrl.rollout.generation as generation
-
-    plain = generation.decode
-
-    def with_copy(model, *args: Any, **kwargs: Any) -> Any:
-        return plain(copy.deepcopy(model).to(torch.bfloat16), *args, **kwargs)
-
-    return swapped((generation, "decode", with_copy))
+    return swapped((trainer, "autocast_dtype", torch.bfloat16))
 
 
-def step_each_agent_after_its_backward() -> contextlib.AbstractContextManager:
-    """Proposed for MAGRPOTrainer.update on one device: step an agent's optimizer right after its
-    backward, so its gradients are freed before the next agent's backward pass (same result)."""
-    from comlrl.trainers.reinforce import MAGRPOTrainer
-
-    def update(self, rollout, advantages, *reference):
-        metrics: dict[str, float] = {}
-        for index in range(self.num_agents):
-            metrics.update(self.update_agent(index, rollout, advantages[index], *reference))
-            component = self.model_optimizers[f"agent_{index}"]
-            metrics.update(self.record_steps({component.name: component.micro_step()}))
-        return metrics
-
-    return swapped((MAGRPOTrainer, "update", update))
+def fp32_sampling(trainer: Any) -> contextlib.AbstractContextManager:
+    """Sampling from the float32 agents themselves (with ``bf16_mixed``: only its autocast half)."""
+    return swapped((trainer, "sampling_agents", lambda: list(trainer.agents)))
 
 
-def chunked_logprobs(chunk: int = 8) -> contextlib.AbstractContextManager:
+def bf16_sampling(trainer: Any) -> contextlib.AbstractContextManager:
+    """Only the sampling half of ``precision="bf16-mixed"``: bf16 copies made at each rollout, the update in fp32."""
+    import torch
+
+    from comlrl.training.mixed_precision import sampling_models
+
+    return swapped((trainer, "sampling_agents", lambda: sampling_models(trainer.agents, torch.bfloat16)))
+
+
+def steps_after_all_backwards(trainer: Any) -> contextlib.AbstractContextManager:
+    """Before: every agent's backward pass first, then every optimizer step (the path MAGRPOTrainer.update
+    takes for agents on several GPUs); the library now steps each agent right after its backward on one
+    device, so its gradients are freed before the next agent's pass (same weights)."""
+    return swapped((trainer, "agents_run_in_turn", lambda: False))
+
+
+def chunked_logprobs(trainer: Any, chunk: int = 8) -> contextlib.AbstractContextManager:
     """Tried: log-probs from the final hidden states, the output head and log-softmax applied to
     ``chunk`` positions at a time and recomputed in the backward pass (no full-vocabulary logits kept).
     Against ``unshared-update`` (the same single pass per row, full logits)."""
@@ -150,17 +141,21 @@ def chunked_logprobs(chunk: int = 8) -> contextlib.AbstractContextManager:
     return swapped((policy_update, "completion_logprobs", completion_logprobs))
 
 
-VARIANTS: dict[str, tuple[str, list[Callable[[], contextlib.AbstractContextManager]]]] = {
+VARIANTS: dict[str, tuple[str, list[Callable[[Any], contextlib.AbstractContextManager]]]] = {
     "before": ("no prompt sharing (the code before this change)", [unshared_prefill, unshared_update]),
     "shared-prefill": ("each prompt prefilled once per agent", [unshared_update]),
-    "shared": ("+ each prompt run once in the update (the library now)", []),
-    "step-per-agent": ("shared, each agent stepped right after its backward", [step_each_agent_after_its_backward]),
-    "chunked-logprobs": ("full update pass per row, head + log-softmax in chunks of 8 positions",
+    "steps-after-all-backwards": ("shared, every agent's backward before any optimizer step (before the per-agent "
+                                  "step)", [steps_after_all_backwards]),
+    "shared": ("+ each prompt run once in the update, each agent stepped after its backward (the library now, fp32)",
+               []),
+    "chunked-logprobs": ("tried: full update pass per row, head + log-softmax in chunks of 8 positions",
                          [unshared_update, chunked_logprobs]),
-    "autocast-update": ("shared, update under bf16 autocast", [autocast_update]),
-    "autocast-generation": ("shared, decode loop under bf16 autocast", [autocast_generation]),
-    "bf16-generation-copy": ("shared, decode with a bf16 copy of the weights", [bf16_generation_copy]),
-    "autocast-update+bf16-copy": ("shared, both bf16 levers", [autocast_update, bf16_generation_copy]),
+    "bf16-mixed-update": ("library precision='bf16-mixed', its autocast half only (sampling from fp32 weights)",
+                          [bf16_mixed, fp32_sampling]),
+    "autocast-generation": ("tried: shared, decode loop under bf16 autocast", [autocast_generation]),
+    "bf16-mixed-sampling": ("library precision='bf16-mixed', its sampling half only (bf16 copies, fp32 update)",
+                            [bf16_sampling]),
+    "bf16-mixed": ("library precision='bf16-mixed' (both halves)", [bf16_mixed]),
 }
 
 
@@ -202,7 +197,7 @@ def timed_step(trainer: Any, rows: list[dict[str, str]], variant: str) -> dict[s
 
     with contextlib.ExitStack() as patches:
         for patch in VARIANTS[variant][1]:
-            patches.enter_context(patch())
+            patches.enter_context(patch(trainer))
         # The timers wrap whatever the variant installed.
         patches.enter_context(swapped(
             (policy_update, "completion_logprobs", timed("forward", policy_update.completion_logprobs)),

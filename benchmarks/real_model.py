@@ -13,11 +13,15 @@ A "step" below is one epoch on both sides. Each run is its own process (both lib
 sides score with the same code.
 
     .venv/bin/python benchmarks/real_model.py                  # ours, reference, ours+LoRA; tables
+    .venv/bin/python benchmarks/real_model.py --runs ours ours-bf16-mixed reference ours-lora ours-lora-kl
     .venv/bin/python benchmarks/real_model.py --runs ours      # one side only
     .venv/bin/python benchmarks/real_model.py run ours --output r.json   # one runner, in this process
 
-The same invocation measures this machine's matmul rate and memory bandwidth and prints the
-floor of the step (see :func:`floor`). Phases are timed by wrapping each library's own functions,
+Runs named ``*-bf16-mixed`` train ours with ``precision="bf16-mixed"`` (float32 weights and AdamW,
+bf16 sampling copies, bf16 autocast of the log-prob forwards). The same invocation measures this
+machine's fp32 and bf16 matmul rates and its memory bandwidth and prints two floors of the step
+(see :func:`floor`): at the fp32 rate with float32 weight reads, and at the bf16 rate with bf16
+weight reads for decoding. Phases are timed by wrapping each library's own functions,
 as ``run_ours.py`` / ``run_reference.py`` do; ``--threads`` defaults to 1 (shared machine), and the
 step's CPU time is reported beside its wall time.
 """
@@ -81,6 +85,7 @@ class RealWorkload:
     threads: int = 1
     lora_rank: int | None = None
     reference_kl: bool = False
+    precision: str = "fp32"  # ours only: "bf16-mixed" (bf16 sampling copies, bf16 autocast of the log-prob forwards)
 
     def rows(self) -> list[dict[str, str]]:
         lines = (ROOT / "data" / "writing" / "train.jsonl").read_text().splitlines()
@@ -163,7 +168,7 @@ def run_ours(workload: RealWorkload) -> RunResult:
         temperature=1.0, top_p=1.0, top_k=None, agent_learning_rate=workload.learning_rate,
         num_train_epochs=workload.warmup_epochs + workload.epochs, per_device_train_batch_size=workload.num_prompts,
         shuffle=False, seed=workload.seed, device="cpu", disable_tqdm=True, logging_steps=10**6,
-        lora_rank=workload.lora_rank, reference_kl_enabled=workload.reference_kl,
+        lora_rank=workload.lora_rank, reference_kl_enabled=workload.reference_kl, precision=workload.precision,
     )
     trainer = MAGRPOTrainer(agent_model=workload.model_dir, num_agents=2, reward_func=task.writing_reward,
                             formatters=plain_formatters(task), train_dataset=Dataset.from_list(workload.rows()),
@@ -191,8 +196,8 @@ def run_reference(workload: RealWorkload) -> RunResult:
 
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
-    if workload.lora_rank or workload.reference_kl:
-        raise SystemExit("the reference runner measures full fine-tuning without a reference KL only")
+    if workload.lora_rank or workload.reference_kl or workload.precision != "fp32":
+        raise SystemExit("the reference runner measures float32 full fine-tuning without a reference KL only")
     task = writing_task()
     timer = CPUPhaseTimer("cpu")
     result = RunResult("reference", asdict(workload), versions("torch", "transformers", "comlrl"))
@@ -272,8 +277,8 @@ def model_shapes(model_dir: Path) -> dict[str, int]:
 
 
 def floor(shapes: dict[str, int], prompt_tokens: float, new_tokens: float, workload: RealWorkload,
-          rates: dict[str, float]) -> dict[str, float]:
-    """Lower bound of one epoch's time: each part at the machine's 1024^3 fp32 matmul rate or its read
+          rates: dict[str, float], precision: str = "fp32") -> dict[str, float]:
+    """Lower bound of one epoch's time: each part at the machine's 1024^3 matmul rate or its read
     bandwidth, whichever is slower.
 
     The work is the least the step needs: each distinct prompt prefilled once per agent, one
@@ -281,18 +286,25 @@ def floor(shapes: dict[str, int], prompt_tokens: float, new_tokens: float, workl
     prompt once plus every completion, its backward at twice the forward, and AdamW reading and
     writing 7 float32 tensors per parameter. The output head runs only where a logit is needed.
     Attention's own FLOPs (small at these lengths) and activation traffic are left out.
+
+    ``precision="fp32"``: every matmul at the fp32 rate, decoding reads 4-byte weights (the issue's
+    floor). ``"bf16"``: the floor of ``precision="bf16-mixed"``: matmuls at the bf16 rate, decoding
+    reads 2-byte weights, plus the cast of each agent's weights to its bf16 sampling copy (4 bytes
+    read, 2 written per parameter); AdamW stays float32.
     """
     agents, rows = 2, workload.num_prompts * workload.num_generations
     body, head = 2 * shapes["body"], 2 * shapes["head"]
     prefill = agents * workload.num_prompts * (prompt_tokens * body + head)
     decode_flops = agents * rows * new_tokens * (body + head)
-    decode_bytes = agents * workload.max_new_tokens * 4 * (shapes["body"] + shapes["head"])
+    weight_bytes = 2 if precision == "bf16" else 4
+    decode_bytes = agents * workload.max_new_tokens * weight_bytes * (shapes["body"] + shapes["head"])
+    cast_bytes = agents * 6 * shapes["params"] if precision == "bf16" else 0
     update_tokens = workload.num_prompts * prompt_tokens + rows * new_tokens
     update = agents * 3 * (update_tokens * body + rows * new_tokens * head)
     adamw_bytes = agents * 7 * 4 * shapes["params"]
-    flops, read = rates["fp32_flops"], rates["read_bytes"]
+    flops, read = rates["bf16_flops" if precision == "bf16" else "fp32_flops"], rates["read_bytes"]
     parts = {
-        "generation": prefill / flops + max(decode_flops / flops, decode_bytes / read),
+        "generation": cast_bytes / read + prefill / flops + max(decode_flops / flops, decode_bytes / read),
         "update": update / flops + adamw_bytes / read,
     }
     parts["step"] = parts["generation"] + parts["update"]
@@ -306,7 +318,11 @@ RUNS = {
     "reference": ("reference", PEERS_PYTHON, []),
     "ours-lora": ("ours", OURS_PYTHON, ["--lora-rank", "8"]),
     "ours-lora-kl": ("ours", OURS_PYTHON, ["--lora-rank", "8", "--reference-kl"]),
+    "ours-bf16-mixed": ("ours", OURS_PYTHON, ["--precision", "bf16-mixed"]),
+    "ours-lora-bf16-mixed": ("ours", OURS_PYTHON, ["--lora-rank", "8", "--precision", "bf16-mixed"]),
 }
+# Full fine-tuning runs, compared with the floor (LoRA's backward does less than the floor's).
+FULL_FINE_TUNING = ("ours", "ours-bf16-mixed", "reference")
 
 
 def launch(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -357,22 +373,32 @@ def compare(args: argparse.Namespace) -> None:
                                "seconds)", summaries["ours"], summaries["reference"], "reference 1.4.3"))
         ours, theirs = summaries["ours"]["wall_time"], summaries["reference"]["wall_time"]
         print(f"| wall time of the step (s) | {ours:.3f} | {theirs:.3f} | {ours / theirs:.2f} |\n")
+    if "ours-bf16-mixed" in summaries and "reference" in summaries:
+        print(comparison_table("The same, ours with precision='bf16-mixed' (cpu; times in CPU seconds)",
+                               summaries["ours-bf16-mixed"], summaries["reference"], "reference 1.4.3"))
+        ours, theirs = summaries["ours-bf16-mixed"]["wall_time"], summaries["reference"]["wall_time"]
+        print(f"| wall time of the step (s) | {ours:.3f} | {theirs:.3f} | {ours / theirs:.2f} |\n")
     keys = ["step_time", "generation", "forward", "backward_optimizer", "other", "peak_rss_mb"]
     print(single_table("Every run (CPU seconds)", list(summaries.items()), keys) + "\n")
-    if "ours" in results:
+    bounds = {}
+    measured_runs = [name for name in FULL_FINE_TUNING if name in summaries and name != "reference"]
+    if measured_runs:
         shapes = model_shapes(Path(model_dir))
-        per_row = summaries["ours"]["generated_tokens"] / (2 * workload.num_prompts * workload.num_generations)
-        bound = floor(shapes, prompt_tokens(Path(model_dir), workload), per_row, workload, rates)
-        print(f"floor of the step ({bound['tflop']:.3f} TFLOP, {per_row:.1f} new tokens per completion): "
-              f"generation {bound['generation']:.2f} s, update {bound['update']:.2f} s, step {bound['step']:.2f} s")
-        for name in ("ours", "reference"):  # the floor is full fine-tuning's; LoRA's backward does less
+        # The floor of the new tokens ours generated (the first of ours' full fine-tuning runs).
+        per_row = summaries[measured_runs[0]]["generated_tokens"] / (2 * workload.num_prompts * workload.num_generations)
+        tokens = prompt_tokens(Path(model_dir), workload)
+        for precision in ("fp32", "bf16"):
+            bound = bounds[precision] = floor(shapes, tokens, per_row, workload, rates, precision)
+            print(f"{precision} floor of the step ({bound['tflop']:.3f} TFLOP, {per_row:.1f} new tokens per "
+                  f"completion): generation {bound['generation']:.2f} s, update {bound['update']:.2f} s, "
+                  f"step {bound['step']:.2f} s")
+        for name in FULL_FINE_TUNING:
             if name in summaries:
                 step = summaries[name]["step_time"]
-                print(f"  {name}: step CPU time {step:.2f} s = {step / bound['step']:.2f} x floor")
-    else:
-        bound = None
+                print(f"  {name}: step CPU time {step:.2f} s = {step / bounds['fp32']['step']:.2f} x the fp32 floor, "
+                      f"{step / bounds['bf16']['step']:.2f} x the bf16 floor")
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps({"results": results, "rates": measured, "floor": bound}, indent=1))
+    args.output.write_text(json.dumps({"results": results, "rates": measured, "floor": bounds}, indent=1))
     print(f"\nraw: {args.output}")
 
 
@@ -391,6 +417,7 @@ def main() -> None:
     one.add_argument("implementation", choices=("ours", "reference"))
     one.add_argument("--lora-rank", type=int)
     one.add_argument("--reference-kl", action="store_true")
+    one.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed"), help="ours' MAGRPOConfig.precision")
     one.add_argument("--output", type=Path)
     add_workload_arguments(one)
     add_workload_arguments(parser)
@@ -400,7 +427,7 @@ def main() -> None:
     if args.command == "run":
         workload = RealWorkload(model_dir=str(args.model_dir), epochs=args.epochs, warmup_epochs=args.warmup_epochs,
                                 threads=args.threads, max_new_tokens=args.max_new_tokens, lora_rank=args.lora_rank,
-                                reference_kl=args.reference_kl)
+                                reference_kl=args.reference_kl, precision=args.precision)
         run_one(args.implementation, workload, args.output)
     else:
         compare(args)

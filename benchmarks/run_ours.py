@@ -7,7 +7,7 @@ from typing import Any, Callable
 from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, runner_parser, versions
 
 
-def build_trainer(workload: Workload, timer: PhaseTimer, generation_backend: str = "comlrl"):
+def build_trainer(workload: Workload, timer: PhaseTimer, generation_backend: str = "comlrl", precision: str = "auto"):
     from datasets import Dataset
 
     import comlrl.training.policy_update
@@ -29,6 +29,8 @@ def build_trainer(workload: Workload, timer: PhaseTimer, generation_backend: str
         disable_tqdm=True,
         logging_steps=10**6,
         generation_backend=generation_backend,
+        precision=precision,
+        max_grad_norm=None,  # the reference never clips: equal work (the norm is still computed, for the metrics)
     )
     # The log-prob forward passes of the update, timed where every trainer calls them.
     original = getattr(comlrl.training.policy_update.completion_logprobs, "__wrapped__", comlrl.training.policy_update.completion_logprobs)
@@ -54,12 +56,13 @@ def counted_rollout(rollout: Callable, clock: StepClock) -> Callable:
     return counted
 
 
-def run(workload: Workload, generation_backend: str = "comlrl") -> RunResult:
+def run(workload: Workload, generation_backend: str = "comlrl", precision: str = "auto") -> RunResult:
     workload.setup_torch()
     timer = PhaseTimer(workload.device)
     result = RunResult("ours", vars(workload).copy(), versions("torch", "transformers", "comlrl"))
     result.notes.append(f"generation_backend={generation_backend}")
-    trainer = build_trainer(workload, timer, generation_backend)
+    result.notes.append(f"precision={precision}")
+    trainer = build_trainer(workload, timer, generation_backend, precision)
     clock = StepClock(result, timer)
     trainer.rollout = timer.wrap("generation", counted_rollout(trainer.rollout, clock))
     trainer.score = timer.wrap("reward", trainer.score)
@@ -74,8 +77,10 @@ def main() -> None:
     parser = runner_parser(__doc__)
     parser.add_argument("--generation-backend", default="comlrl", choices=("comlrl", "transformers"),
                         help="MAGRPOConfig.generation_backend: our decode loop, or model.generate (the 'before')")
+    parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16-mixed"),
+                        help="MAGRPOConfig.precision ('auto': float32 on CPU, bf16 on CUDA)")
     args = parser.parse_args()
-    run(Workload.from_arguments(args), args.generation_backend).emit(args.output)
+    run(Workload.from_arguments(args), args.generation_backend, args.precision).emit(args.output)
 
 
 if __name__ == "__main__":

@@ -181,11 +181,12 @@ class MLflowCallback(TrainerCallback):
     ``.comlrl/tracking`` under the working directory; the pipeline uses ``runs/<run_id>/tracking``).
     ``drain_timeout``: the most seconds all end-of-run waits for delivery take together.
     ``retry_interval`` / ``max_retry_interval``: the sender's backoff while the server is down.
+    ``send_interval``: seconds between the sender's deliveries (a flush or close delivers at once).
     A spool left by an earlier process for the same run is delivered first.
     """
 
     def __init__(self, identity: dict[str, Any], spool_dir: str | Path | None = None, drain_timeout: float = 20.0,
-                 retry_interval: float = 1.0, max_retry_interval: float = 5.0) -> None:
+                 retry_interval: float = 1.0, max_retry_interval: float = 5.0, send_interval: float = 0.5) -> None:
         if drain_timeout < 0:
             raise ValueError(f"MLflowCallback drain_timeout must be >= 0 seconds, got {drain_timeout}")
         bound_http_retries()
@@ -199,8 +200,8 @@ class MLflowCallback(TrainerCallback):
             same = previous.spool.directory.resolve() == directory.resolve()
             previous.close(timeout=0.0 if same else None, warn=not same)
         self.spool = Spool(directory, identity)
-        self.sender = Sender(self.spool, identity["tracking_uri"], retry_interval=retry_interval,
-                             max_retry_interval=max_retry_interval)
+        self.sender = Sender(self.spool, identity["tracking_uri"], interval=send_interval,
+                             retry_interval=retry_interval, max_retry_interval=max_retry_interval)
         self.closed = False
         _OPEN[identity["run_id"]] = self
 

@@ -9,8 +9,11 @@ for a local store the links point at ``http://127.0.0.1:5000``, where ``mlflow u
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import queue
 import re
+import threading
 import urllib.parse
 from typing import Any, Callable, Sequence
 
@@ -28,6 +31,44 @@ def best_effort(publish: Callable[..., Any], *args: Any) -> Any:
         logger.warning("could not publish the Prefect artifact (%s: %s); the run goes on without it",
                        getattr(publish, "__name__", publish), error)
         return None
+
+
+class BackgroundPublisher:
+    """Publishes artifacts from a background thread, so the training thread never waits on the API.
+
+    Every :meth:`submit` is published, in the order submitted (a table artifact gets one version per
+    boundary), through :func:`best_effort`, in a copy of the Prefect context it was submitted from
+    (so an artifact belongs to the flow run that submitted it). :meth:`close` publishes what is
+    left, waiting at most ``timeout`` seconds; whatever is still queued then is dropped with a warning.
+    """
+
+    def __init__(self, name: str = "artifact-publisher") -> None:
+        self._queue: queue.Queue[tuple[contextvars.Context, Callable[..., Any], tuple[Any, ...]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
+        self._thread.start()
+        self.closed = False
+
+    def submit(self, publish: Callable[..., Any], *args: Any) -> None:
+        if self.closed:
+            best_effort(publish, *args)
+            return
+        self._queue.put((contextvars.copy_context(), publish, args))
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            context, publish, args = item
+            context.run(best_effort, publish, *args)
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Publish what was submitted (at most ``timeout`` seconds); whether everything was."""
+        if not self.closed:
+            self.closed = True
+            self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("Prefect artifacts not published within %.0f s were dropped", timeout)
+            return False
+        return True
 
 
 def artifact_key(run_id: str, what: str) -> str:

@@ -15,21 +15,28 @@ retried for about seven seconds and a long run queues thousands). The CLI bounds
   the queued events and logs, what is left is dropped with one warning, and the process ends at
   once (``os._exit``: Prefect's exit hook would wait for every item) with status
   :data:`EXIT_ORCHESTRATOR_UNREACHABLE`. Checkpoints are on disk; ``comlrl resume`` continues.
+
+:func:`await_task_recorded` lets a boundary subflow start once the server has written the states
+of the tasks before it (see there). :func:`crash_stale_flow_runs` closes, when a run is resumed,
+the flow runs of the same run that an outage left "Running" on the server.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 EXIT_ORCHESTRATOR_UNREACHABLE = 69  # sysexits' EX_UNAVAILABLE: a service the command needs is down
 # One retry (after about 2 s) rides out a dropped connection; during an outage every API call of
 # the flow (state changes, artifacts) then costs about 2 s instead of Prefect's default minute.
 CLIENT_BOUNDS = {"PREFECT_CLIENT_MAX_RETRIES": "1", "PREFECT_API_REQUEST_TIMEOUT": "30"}
 DRAIN_TIMEOUT = 10.0  # seconds for Prefect's queued events and logs once the server is found down
+RECORDER_WAIT = 1.0  # seconds a boundary subflow waits at most for the server to record the task before it
 
 
 def bound_client_waits() -> dict[str, str]:
@@ -37,6 +44,77 @@ def bound_client_waits() -> dict[str, str]:
     applied = {key: value for key, value in CLIENT_BOUNDS.items() if key not in os.environ}
     os.environ.update(applied)
     return applied
+
+
+def await_task_recorded(task_run_id: Any, timeout: float = RECORDER_WAIT, poll: float = 0.02) -> bool:
+    """Wait until the Prefect API shows task run ``task_run_id`` in a final state, at most ``timeout``
+    seconds; whether it does (False also when the API cannot be asked).
+
+    Task-run states reach a Prefect 3 server as events, which its task-run recorder writes to the
+    database a moment later. A subflow started while the recorder is still writing has its first
+    API write (the subflow's task run in the parent) refused by a locked SQLite database (HTTP 503),
+    and Prefect's client retries it only after about 2 s: measured on the embedded default, about
+    one boundary start in four (benchmarks/README.md, "Orchestration overhead"). The task a flow
+    ran last is the last one the recorder writes, so one or a few reads of it (tens of
+    milliseconds) avoid that wait.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    try:
+        with get_client(sync_client=True) as client:
+            while True:
+                try:
+                    state = client.read_task_run(task_run_id).state
+                except ObjectNotFound:  # its first event is not written yet
+                    state = None
+                if state is not None and state.is_final():
+                    return True
+                if time.monotonic() + poll > deadline:
+                    return False
+                time.sleep(poll)
+    except Exception:  # an unreachable server: the subflow's own start decides what happens next
+        return False
+
+
+def crash_stale_flow_runs(run_id: str, flow_run_id: Any, flow_run_name: str,
+                          flow_name: str = "comlrl-train") -> list[str]:
+    """Mark ``Crashed`` the earlier flow runs of run ``run_id`` (flow ``flow_name``, run name ``run_id``)
+    that the server still shows Running or Pending, and their boundary subflows likewise, with a
+    message naming the flow run ``flow_run_id`` that resumed them; returns their ids.
+
+    Call it only while holding the run's lock (:class:`flows.runs.RunLock`): then no other process
+    trains this run, so such flow runs are left over from a process that is gone (a server that
+    went away mid-run never learned how its flow run ended). Best effort: when the API cannot be
+    asked, nothing is marked and the run goes on.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterName,
+                                                FlowRunFilterParentFlowRunId, FlowRunFilterState,
+                                                FlowRunFilterStateType)
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    unfinished = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))
+    message = (f"its process is gone (the server lost track of it); flow run {flow_run_name!r} ({flow_run_id}) "
+               "resumed the run")
+    marked: list[str] = []
+    try:
+        with get_client(sync_client=True) as client:
+            stale = [run for run in client.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])),
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[run_id]), state=unfinished))
+                if str(run.id) != str(flow_run_id)]
+            if stale:
+                stale += client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id for run in stale]), state=unfinished))
+            for run in stale:
+                client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+                marked.append(str(run.id))
+    except Exception as error:
+        logging.getLogger(__name__).warning("could not mark the earlier flow runs of %s Crashed: %s", run_id, error)
+    return marked
 
 
 def reachable(api_url: str, timeout: float = 3.0) -> bool:

@@ -9,16 +9,18 @@ Layout under the working directory (default ``.comlrl/``)::
     models/               tiny demo models, agents exported from the registry
     runs/<run_id>/        spec.yaml (as first run), checkpoints/checkpoint-N, reward_curve.png,
                           resolved_spec.json, team/ (the team model as registered), tracking/
-                          (the MLflow spool), result.json
+                          (the MLflow spool), result.json, flow.lock (held while a process trains it)
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from flows.spec import NAME, RunSpec, spec_hash
 
@@ -54,6 +56,10 @@ def configure_embedded_default(workdir: str | Path) -> dict[str, str]:
         # on a console; the task-run states stay in Prefect's records and UI.
         "PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL": "WARNING",
     }
+    if "PREFECT_API_URL" not in os.environ:
+        # The ephemeral server has no CSRF protection; without this the client asks it for a token
+        # (a refused extra request) for every new API client, one per boundary subflow.
+        defaults["PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"] = "false"
     applied = {}
     for key, value in defaults.items():
         if key not in os.environ:
@@ -87,6 +93,46 @@ class RunPaths:
     @property
     def artifact_root(self) -> Path:
         return self.workdir / "mlflow" / "artifacts"
+
+
+class RunLock:
+    """``runs/<run_id>/flow.lock``, locked (``flock``) by the process that trains the run.
+
+    The operating system drops the lock when that process ends, however it ends, so holding it
+    means that no other live process trains this run from this working directory.
+    """
+
+    def __init__(self, run: RunPaths) -> None:
+        self.path = run.directory / "flow.lock"
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> bool:
+        """Take the lock if it is free (never waits); whether this process holds it now."""
+        if self._file is not None:
+            return True
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            return False
+        self._file = handle
+        return True
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()  # closing the file releases the lock
+            self._file = None
+
+
+def claim_run(run: RunPaths) -> RunLock:
+    """The run's lock, held by this process; a ``RuntimeError`` naming the lock file when another live
+    process trains the same run (two processes would write the same checkpoints)."""
+    lock = RunLock(run)
+    if not lock.acquire():
+        raise RuntimeError(f"run {run.run_id!r} is being trained by another process (it holds {lock.path}); "
+                           "wait for it to end, or give this run another run_id")
+    return lock
 
 
 def default_run_id(spec: RunSpec) -> str:

@@ -34,17 +34,23 @@ from prefect.utilities.annotations import quote
 
 from comlrl import tracking
 from comlrl.training.metrics import MetricWindow
-from flows import agents, artifacts, boundaries, tasks
+from flows import agents, artifacts, boundaries, orchestrator, tasks
 from flows.boundaries import Boundary
 from flows.progress import ProgressArtifact, StepProgress, emit, planned_steps
 from flows.registry import team_model_name
-from flows.runs import RunPaths, default_tracking_uri, prepare_run
+from flows.runs import RunPaths, claim_run, default_tracking_uri, prepare_run
 from flows.spec import RunSpec, spec_hash
 
 # Run id -> the session training it in this process; how a boundary subflow (whose parameters
 # Prefect records, so they stay small) finds the trainer. A process table: pickled (Dask ships a
 # subflow's function by value, with the globals it reads), it stands for the same table.
 LIVE: dict[str, "Session"] = agents.process_table("training-sessions")
+
+
+# Seconds between deliveries of the MLflow spool and between updates of the progress artifact: each costs
+# store or API work beside training on a small machine (benchmarks/README.md, "Orchestration overhead").
+SEND_INTERVAL = 2.0
+PROGRESS_INTERVAL = 2.0
 
 
 def boundary_key(run_id: str, boundary: int) -> str:
@@ -73,18 +79,22 @@ class Session:
     run_id: str
     plan: list[Boundary]
     records: list[dict[str, Any]]
+    publisher: artifacts.BackgroundPublisher
     window: MetricWindow = field(default_factory=MetricWindow)
+    last_task_run: Any = None  # the id of the task run that ran last (see boundary_in_subflow)
     subflows: bool = True  # False once the Prefect API could not start a boundary subflow
     started: set[int] = field(default_factory=set)  # boundaries whose work began in this process
     finished: dict[int, dict[str, Any]] = field(default_factory=dict)  # ... and the records of those done
 
 
 def start(spec: RunSpec, run: RunPaths, resume_from: str | None, root: str, tracking_uri: str,
-          plan: list[Boundary], records: list[dict[str, Any]], progress_artifact: ProgressArtifact | None) -> Session:
+          plan: list[Boundary], records: list[dict[str, Any]], progress_artifact: ProgressArtifact | None,
+          publisher: artifacts.BackgroundPublisher) -> Session:
     identity = tasks.open_tracking(tracking_uri, spec.name, run.run_id, resume_from, str(run.artifact_root),
                                    run_tags(spec, run))
     tasks.log_params(identity, {"spec": spec.model_dump(mode="json"), "run_id": run.run_id})
-    callback = tracking.MLflowCallback(identity, spool_dir=run.directory / "tracking")
+    # Metrics reach MLflow every SEND_INTERVAL s (and all at the run's end): fewer store writes beside training.
+    callback = tracking.MLflowCallback(identity, spool_dir=run.directory / "tracking", send_interval=SEND_INTERVAL)
     callback.set_tags({**run_tags(spec, run), **prefect_tags()})
     progress = StepProgress(1, progress_artifact)
     trainer = tasks.load_entities(spec, root, str(run.workdir), [callback, progress], tracking_uri)
@@ -92,11 +102,12 @@ def start(spec: RunSpec, run: RunPaths, resume_from: str | None, root: str, trac
     trainer.run_identity["mlflow"] = identity
     if spec.execution.task_runner == "dask":  # each agent's generation and backward pass: a task on Dask
         agents.install(trainer)
-    runner = tasks.begin_training.with_options(task_run_name=f"restore {Path(resume_from).name}" if resume_from
-                                               else "begin training")(quote(trainer), str(run.checkpoints), resume_from,
-                                                                      spec.checkpoint.keep)
+    began = tasks.begin_training.with_options(task_run_name=f"restore {Path(resume_from).name}" if resume_from
+                                              else "begin training")(quote(trainer), str(run.checkpoints), resume_from,
+                                                                     spec.checkpoint.keep, return_state=True)
     emit("start", f"training {run.run_id}", total=progress.total, done=trainer.state.global_step)
-    return Session(trainer, runner, identity, callback, progress, spec, run.run_id, plan, records)
+    return Session(trainer, began.result(), identity, callback, progress, spec, run.run_id, plan, records, publisher,
+                   last_task_run=began.state_details.task_run_id)
 
 
 def prefect_tags() -> dict[str, str]:
@@ -138,14 +149,16 @@ def run_boundary(session: Session, number: int) -> dict[str, Any]:
         quote(trainer), f"evaluate-b{number}")
     if evaluation:  # the eval curve: one point per boundary
         session.callback.on_log(trainer, evaluation, trainer.state.global_step)
-    checkpoint = tasks.save_checkpoint.with_options(task_run_name=boundary.task_name("checkpoint"))(
-        quote(session.runner))
+    saved = tasks.save_checkpoint.with_options(task_run_name=boundary.task_name("checkpoint"))(
+        quote(session.runner), return_state=True)
+    checkpoint, session.last_task_run = saved.result(), saved.state_details.task_run_id
     metrics = boundaries.boundary_metrics(trainer.state.history, first_step, stage_metrics)
     row = boundaries.boundary_row(boundary, metrics, evaluation, trainer.state.global_step, checkpoint,
                                   time.perf_counter() - started)
     record = {"checkpoint": checkpoint, "row": row, "evaluation": evaluation}
     session.finished[number] = record
-    artifacts.best_effort(artifacts.publish_table, session.run_id, [r["row"] for r in session.records if r["row"]] + [row])
+    session.publisher.submit(artifacts.publish_table, session.run_id,
+                             [r["row"] for r in session.records if r["row"]] + [row])
     line = boundaries.describe(row)
     get_run_logger().info(line)
     emit("boundary", line, row=row, number=number, total=boundary.total)
@@ -163,6 +176,8 @@ def boundary_in_subflow(session: Session, boundary: Boundary) -> dict[str, Any]:
     """The boundary as a subflow; if the Prefect API cannot even start one (a server outage), the
     boundary runs inside the parent flow run instead: training never needs the server once started."""
     if session.subflows:
+        if session.last_task_run is not None:  # the server has written the last task's states
+            orchestrator.await_task_recorded(session.last_task_run)
         try:
             state = boundary_flow.with_options(flow_run_name=boundary.title)(session.run_id, boundary.number,
                                                                              return_state=True)
@@ -192,7 +207,8 @@ def mark_failed(identity: dict[str, Any]) -> None:
 
 
 def run_boundaries(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, plan: list[Boundary],
-                   progress_artifact: ProgressArtifact | None) -> tuple[Session | None, list[dict[str, Any]]]:
+                   progress_artifact: ProgressArtifact | None,
+                   publisher: artifacts.BackgroundPublisher) -> tuple[Session | None, list[dict[str, Any]]]:
     """Every boundary not yet committed, each a subflow in its transaction; returns the session (None
     when nothing had to run) and every boundary's record."""
     logger = get_run_logger()
@@ -209,7 +225,8 @@ def run_boundaries(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, p
                         continue
                     if session is None:
                         resume_from = records[-1]["checkpoint"] if records else None
-                        session = start(spec, run, resume_from, root, tracking_uri, plan, records, progress_artifact)
+                        session = start(spec, run, resume_from, root, tracking_uri, plan, records, progress_artifact,
+                                        publisher)
                         LIVE[run.run_id] = session
                     record = boundary_in_subflow(session, boundary)
                     records.append(record)
@@ -250,16 +267,29 @@ def train_flow(
     if init_from_alias:
         spec = tasks.use_registered_agents(spec, tracking_uri, init_from_alias)
     run = prepare_run(spec, spec_path, run_id, workdir, root)
+    lock = claim_run(run)  # refused while another process trains this run
+    try:  # so earlier flow runs of this run that the server still shows "Running" are stale
+        orchestrator.crash_stale_flow_runs(run.run_id, flow_run.id, flow_run.name or run.run_id)
+        return train_run(spec, run, root, tracking_uri)
+    finally:
+        lock.release()
+
+
+def train_run(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str) -> Any:
+    """Every boundary not yet committed, then the end of the run (:func:`finish`)."""
     plan = boundaries.plan(spec)
     progress_artifact = ProgressArtifact(artifacts.artifact_key(run.run_id, "progress"),
-                                         f"Run {run.run_id}: training steps done")
+                                         f"Run {run.run_id}: training steps done", interval=PROGRESS_INTERVAL)
+    publisher = artifacts.BackgroundPublisher()  # the boundaries' table artifact, off the training thread
     try:
-        session, records = run_boundaries(spec, run, root, tracking_uri, plan, progress_artifact)
+        session, records = run_boundaries(spec, run, root, tracking_uri, plan, progress_artifact, publisher)
         if session is None:  # every boundary was committed: restore the final state to register it
-            session = start(spec, run, records[-1]["checkpoint"], root, tracking_uri, plan, records, progress_artifact)
+            session = start(spec, run, records[-1]["checkpoint"], root, tracking_uri, plan, records, progress_artifact,
+                            publisher)
         tasks.end_training(quote(session.trainer), quote(session.runner))
     finally:
         progress_artifact.close()
+        publisher.close()
     return finish(session, spec, run, records, root)
 
 

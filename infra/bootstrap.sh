@@ -18,7 +18,7 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
     echo "installing comlrl and its dependencies into $VENV (a few minutes the first time)"
     # The CPU build of torch 2.13.0 where it is available (it lies on this machine's disk);
     # otherwise whatever the project's range admits.
-    "$VENV/bin/pip" install --quiet "torch==2.13.0" || "$VENV/bin/pip" install --quiet "torch>=2.4,<=2.14.1"
+    "$VENV/bin/pip" install --quiet "torch==2.13.0" || "$VENV/bin/pip" install --quiet "torch>=2.6,<=2.14.1"
     "$VENV/bin/pip" install --quiet -e ".[pipeline,lora,test]"
     echo "$WANT" > "$STAMP"
 fi

@@ -34,7 +34,8 @@ ORIGINAL = {
 }
 # docs/migrating.md, "Defaults": the listed exceptions and their values here.
 EXCEPTIONS = {
-    "MAGRPOConfig": dict(num_turns=1, early_termination_threshold=None, logging_steps=1, eval_interval=None),
+    "MAGRPOConfig": dict(num_turns=1, early_termination_threshold=None, logging_steps=1, eval_interval=None,
+                         max_grad_norm=1.0),
     "IACConfig": dict(num_turns=1, num_generations=4, eval_interval=None),
     "MAACConfig": dict(num_turns=1, num_generations=4, eval_interval=None),
     "MAREINFORCEConfig": dict(normalize_advantages=False),

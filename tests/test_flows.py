@@ -187,6 +187,22 @@ class FailOnce:
         monkeypatch.setattr(MAGRPOTrainer, "update", update)
 
 
+def test_one_process_at_a_time_holds_a_runs_lock(tmp_path):
+    from flows.runs import RunLock, RunPaths, claim_run
+
+    run = RunPaths("locked", tmp_path)
+    run.directory.mkdir(parents=True)
+    first, second = RunLock(run), RunLock(run)
+    assert first.acquire() and first.acquire()  # held: acquiring again is a no-op
+    assert not second.acquire()  # another holder (a flock of its own) is refused, without waiting
+    with pytest.raises(RuntimeError, match="being trained by another process .*flow.lock"):
+        claim_run(run)  # what train_flow does first: a second process on the same run is refused
+    first.release()
+    assert second.acquire()
+    second.release()
+    claim_run(run).release()  # free again
+
+
 @pytest.fixture(scope="module")
 def resumed(pipeline, reference_weights):
     """A flow run that fails in epoch 2's update, then a re-run of the same run id."""

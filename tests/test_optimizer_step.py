@@ -104,3 +104,14 @@ def test_nothing_else_steps_an_optimizer_or_a_schedule():
     calls = re.compile(r"\.(optimizer|scheduler|_scheduler|lr_scheduler)\.step\(|\boptimizer\.step\(|\bscheduler\.step\(")
     found = sorted(str(path.relative_to(root)) for path in root.rglob("*.py") if calls.search(path.read_text()))
     assert found == ["training/optimizer_step.py"], found
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5])
+def test_the_reported_norm_is_the_gradient_norm_and_only_a_max_clips(max_norm):
+    part = component(accumulation=1, max_grad_norm=max_norm)
+    seen = grads_at_steps(part)
+    backward(part, 3.0)  # gradient 3 on each of 2 weights: norm 3 * sqrt(2)
+    result = part.micro_step()
+    assert result.grad_norm == pytest.approx(3.0 * 2 ** 0.5)
+    expected = 3.0 if max_norm is None else max_norm / 2 ** 0.5  # clipped to norm max_norm
+    assert seen == [pytest.approx([expected, expected])]

@@ -1,6 +1,7 @@
 """A real `prefect server` killed mid-run: training goes on to its last checkpoint, the process
 exits within a bound with status 69 (orchestrator unreachable) instead of retrying its queued
-events for ever, and `comlrl resume` against the restarted server finishes the run.
+events for ever, and `comlrl resume` against the restarted server finishes the run and marks the
+interrupted flow run, which the server still shows Running, Crashed.
 
 The server runs on loopback in its own process group; the test kills the whole group after the
 first boundary. The restarted server opens the same database on another port, started as soon as
@@ -147,8 +148,14 @@ def test_a_prefect_outage_ends_the_process_in_bounded_time_and_resume_finishes_t
         assert result["checkpoint"] == str(checkpoints / f"checkpoint-{EPOCHS}")
         assert [entry["name"] for entry in result["registered"]] == ["outage-agent-0", "outage-agent-1"]
         assert (resumed.stdout + resumed.stderr).count("already completed") == EPOCHS  # nothing trained again
-        states = [flow_run["state_type"] for flow_run in post_json(f"{api_after}/flow_runs/filter", {"limit": 10})]
-        assert "COMPLETED" in states, states
+        # The interrupted flow run, left "Running" by the outage, is closed by the resume as Crashed,
+        # naming the flow run that resumed it; so is any boundary subflow it left unfinished.
+        runs = post_json(f"{api_after}/flow_runs/filter", {"flow_runs": {"name": {"any_": ["outage-run"]}}})
+        states = {run["state_type"]: run for run in runs}
+        assert sorted(states) == ["COMPLETED", "CRASHED"], [(run["id"], run["state_type"]) for run in runs]
+        assert f"({states['COMPLETED']['id']}) resumed the run" in states["CRASHED"]["state"]["message"]
+        everything = post_json(f"{api_after}/flow_runs/filter", {"limit": 50})
+        assert not [run["name"] for run in everything if run["state_type"] in ("RUNNING", "PENDING")], everything
     finally:
         if run is not None and run.poll() is None:  # the bug this test is about: a run that never exits
             run.kill()

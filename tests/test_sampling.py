@@ -9,7 +9,8 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from comlrl.rollout.episodes import RolloutSpec, rollout_episodes
 from comlrl.rollout.generation import encode_prompts, generate_completions
-from comlrl.rollout.sampling import SamplingParams, decode, prompt_positions, top_k_filter, top_p_filter, warp_logits
+from comlrl.rollout.sampling import (SamplingParams, decode, prompt_positions, sample_one, top_k_filter, top_p_filter,
+                                     warp_logits)
 
 PROMPTS = ["the agent", "write a long story about the moon and the sun"]
 
@@ -79,6 +80,29 @@ def test_decode_draws_the_tokens_generate_draws(fixture, sampling, prompts, requ
         assert a.texts == b.texts
     if sampling.do_sample:  # the comparison saw EOS and padding, not only full-length rows
         assert any((g.completion_mask == 0).any() for g in ours)
+
+
+def test_sample_one_draws_what_multinomial_draws_and_flags_nan_rows():
+    """Same generator state, same token as torch.multinomial (with zero-probability tokens too); NaN rows flagged."""
+    logits = torch.randn(200, 40, generator=torch.Generator().manual_seed(0)) * 3
+    probabilities = warp_logits(logits, SamplingParams(top_k=7, top_p=0.9)).softmax(dim=-1)
+    expected = torch.multinomial(probabilities, 1, generator=torch.Generator().manual_seed(1)).squeeze(1)
+    tokens, scores = sample_one(probabilities, torch.Generator().manual_seed(1))
+    assert torch.equal(tokens, expected) and not scores.isnan().any()
+    probabilities[3, 5] = float("nan")
+    _, scores = sample_one(probabilities, torch.Generator().manual_seed(1))
+    assert scores.isnan().tolist() == [row == 3 for row in range(200)]
+
+
+def test_decode_raises_when_the_model_gives_nan_logits(tiny_llama):
+    """torch.multinomial's check, made once per call: non-finite logits are an error, not a token."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.fill_(float("nan"))
+    ids, mask = encode_prompts(tokenizer, ["the agent"], torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="next-token probabilities of a row hold NaN"):
+        decode(model, ids, mask, SamplingParams(max_new_tokens=3), [], tokenizer.pad_token_id)
 
 
 def test_decode_stops_when_every_row_has_ended(tiny_llama):

@@ -71,12 +71,36 @@ def warp_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
     return top_p_filter(top_k_filter(temperature_scale(logits, sampling.temperature), sampling.top_k), sampling.top_p)
 
 
-def next_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from last-position logits ``[rows, vocab]``: sampled, or greedy."""
+def sample_one(probabilities: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draw per row of ``probabilities`` ``[rows, vocab]`` and its score: the token is the one
+    ``torch.multinomial(probabilities, 1)`` draws from the same RNG state (its one-sample path: the argmax of
+    ``probabilities`` over Exp(1) noise), without that call's checks of the distribution (about ten
+    small operators per decode step). A row whose probabilities hold a NaN (what non-finite logits give)
+    scores NaN, so a caller can check many draws at once (:func:`check_scores`)."""
+    noise = torch.empty_like(probabilities).exponential_(1, generator=generator)
+    scores, tokens = torch.div(probabilities, noise, out=noise).max(dim=-1)
+    return tokens, scores
+
+
+def check_scores(scores: list[torch.Tensor]) -> None:
+    """Raise if a draw of :func:`sample_one` came from NaN probabilities (``torch.multinomial`` would have raised)."""
+    if scores and bool(torch.stack(scores).isnan().any()):
+        raise RuntimeError("sampling: the next-token probabilities of a row hold NaN (the model's logits are not finite; "
+                           "check the weights and the learning rate)")
+
+
+def next_tokens(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+                scores: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """One token per row from last-position logits ``[rows, vocab]``: sampled, or greedy. A sampled draw's
+    scores are appended to ``scores`` when given (checked there by the caller), else checked at once."""
     if not sampling.do_sample:
         return logits.argmax(dim=-1)
-    probabilities = warp_logits(logits, sampling).softmax(dim=-1)
-    return torch.multinomial(probabilities, num_samples=1, generator=generator).squeeze(1)
+    tokens, drawn = sample_one(warp_logits(logits, sampling).softmax(dim=-1), generator)
+    if scores is None:
+        check_scores([drawn])
+    else:
+        scores.append(drawn)
+    return tokens
 
 
 def prompt_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -101,13 +125,20 @@ def cache_argument(model: PreTrainedModel) -> str:
     return "cache" if "cache" in forward_parameters(model) else "past_key_values"
 
 
-def _forward(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor,
-             cache: DynamicCache) -> torch.Tensor:
-    accepted = forward_parameters(model)
-    extra = {"position_ids": positions} if "position_ids" in accepted else {}
-    extra["cache" if "cache" in accepted else "past_key_values"] = cache  # cache_argument, one lookup per step
-    output = model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **extra)
-    return output.logits[:, -1, :].float()
+def _step_forward(model: PreTrainedModel, cache: DynamicCache):
+    """``forward(ids, mask, positions)`` -> last-position float32 logits ``[rows, vocab]`` through ``cache``;
+    what the model's signature takes is looked up once per decode call, not at every step."""
+    fixed = {"use_cache": True, "logits_to_keep": 1, cache_argument(model): cache}
+    takes_positions = "position_ids" in forward_parameters(model)
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        if takes_positions:
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **fixed).logits[:, -1, :]
+        else:
+            logits = model(input_ids=ids, attention_mask=mask, **fixed).logits[:, -1, :]
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+    return forward
 
 
 def decode(
@@ -145,8 +176,9 @@ def _decode_loop(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
     # every step is a tenth of a small model's decode step: pass none, as generate ends up doing.
     padded = not bool(prompt_mask.all())
     cache = DynamicCache(config=model.config)
+    forward = _step_forward(model, cache)
     positions = prompt_positions(prompt_mask)
-    logits = _forward(model, prompt_ids, prompt_mask if padded else None, positions, cache)
+    logits = forward(prompt_ids, prompt_mask if padded else None, positions)
     if num_generations > 1:  # every sample of a prompt continues from the same prefill
         cache.batch_repeat_interleave(num_generations)
         logits = logits.repeat_interleave(num_generations, dim=0)
@@ -156,9 +188,9 @@ def _decode_loop(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
     position = positions[:, -1:]
     eos = torch.tensor(eos_token_ids, device=device)
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
-    tokens = []
+    tokens, scores = [], []
     for step in range(sampling.max_new_tokens):
-        token = next_tokens(logits, sampling, generator)
+        token = next_tokens(logits, sampling, generator, scores)
         token = token.masked_fill(finished, pad_token_id)
         tokens.append(token)
         finished |= torch.isin(token, eos)
@@ -166,5 +198,6 @@ def _decode_loop(model: PreTrainedModel, prompt_ids: torch.Tensor, prompt_mask: 
             break
         position = position + 1
         step_mask = mask[:, :prompt_length + step + 1] if padded else None
-        logits = _forward(model, token[:, None], step_mask, position, cache)
+        logits = forward(token[:, None], step_mask, position)
+    check_scores(scores)  # once per call, not per step
     return torch.stack(tokens, dim=1)

@@ -38,14 +38,18 @@ def rows(num_rows: int) -> list[dict[str, str]]:
     return [{"prompt": prompts[i % len(prompts)], "letter_0": "e", "letter_1": "o"} for i in range(num_rows)]
 
 
-def write_dataset(directory: str | Path, num_train: int = 32, num_eval: int = 8) -> dict[str, Path]:
-    """Write ``train.parquet`` and ``eval.parquet`` under ``directory``."""
+def write_dataset(directory: str | Path, num_train: int = 32, num_eval: int = 8, demo_passes: int = 8) -> dict[str, Path]:
+    """Write ``train.parquet`` and ``eval.parquet`` under ``directory``, and ``demo_train.parquet``: the
+    training rows ``demo_passes`` times over (the demo's epoch, so that an epoch trains for seconds, not
+    the under-a-second of 16 steps that per-epoch orchestration would dominate; docs/pipeline.md)."""
     from datasets import Dataset
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     all_rows = rows(num_train + num_eval)
-    paths = {"train": directory / "train.parquet", "eval": directory / "eval.parquet"}
+    paths = {"train": directory / "train.parquet", "eval": directory / "eval.parquet",
+             "demo_train": directory / "demo_train.parquet"}
     Dataset.from_list(all_rows[:num_train]).to_parquet(str(paths["train"]))
     Dataset.from_list(all_rows[num_train:]).to_parquet(str(paths["eval"]))
+    Dataset.from_list(all_rows[:num_train] * demo_passes).to_parquet(str(paths["demo_train"]))
     return paths

@@ -52,6 +52,17 @@ def _saves_enough(model: PreTrainedModel, prompt_mask: torch.Tensor, distinct: i
     return 2 * sum(p.numel() for p in model.parameters()) * saved_tokens >= MIN_SHARED_PROMPT_FLOPS
 
 
+def _shared_prompts(model: PreTrainedModel, prompt_ids: torch.Tensor,
+                    prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`distinct_prompts` where a shared pass is possible and saves enough, else None. Checked
+    cheapest first: a batch whose rows all shared one prompt would save too little (every tiny model)
+    skips finding its distinct prompts."""
+    if not _saves_enough(model, prompt_mask, 1) or not _can_share_prompts(model):
+        return None
+    shared = distinct_prompts(prompt_ids, prompt_mask)
+    return shared if shared is not None and _saves_enough(model, prompt_mask, shared[0].shape[0]) else None
+
+
 def _can_share_prompts(model: PreTrainedModel) -> bool:
     """Whether the prompt pass can hand its KV cache to the completion pass. Not for a model whose
     forward takes no cache, positions or ``logits_to_keep``; nor under gradient checkpointing (a
@@ -127,9 +138,9 @@ def completion_logits(
     distribution the completions were drawn from. ``autocast_dtype`` runs the model's forward under
     ``torch.autocast`` (mixed precision, :mod:`comlrl.training.mixed_precision`).
     """
-    shared = distinct_prompts(prompt_ids, prompt_mask) if _can_share_prompts(model) else None
+    shared = _shared_prompts(model, prompt_ids, prompt_mask)
     with autocast(model, autocast_dtype):
-        if shared is None or not _saves_enough(model, prompt_mask, shared[0].shape[0]):
+        if shared is None:
             logits = _full_pass_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
         else:
             logits = _shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, *shared)

@@ -144,8 +144,12 @@ class ModelOptimizer:
         """Average over processes, clip, step (unless non-finite), advance the schedule, zero."""
         self.settings.data_parallel.average_gradients(sharding.unsharded_parts(self.module))
         parameters = self._parameters_with_grad()
-        max_norm = self.settings.max_grad_norm if self.settings.max_grad_norm is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm) if parameters else torch.tensor(0.0)
+        if not parameters:
+            norm = torch.tensor(0.0)
+        elif self.settings.max_grad_norm is None:  # the norm (metrics, the non-finite check) without clipping
+            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, self.settings.max_grad_norm)
         learning_rate = self.learning_rate
         finite = bool(torch.isfinite(norm))
         if finite:
