@@ -25,25 +25,15 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from real_model import MODEL_DIR, OURS_PYTHON, RealWorkload, plain_formatters, writing_task
+from workload import swapped
 
 HERE = Path(__file__).resolve().parent
 
 
-# ----- patches: each swaps attributes while its context is open ------------------------------------------
-@contextlib.contextmanager
-def swapped(*swaps: tuple[Any, str, Any]) -> Iterator[None]:
-    """``setattr(owner, name, value)`` for each swap, undone on exit."""
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
-    for owner, name, value in swaps:
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for owner, name, value in reversed(saved):
-            setattr(owner, name, value)
+# ----- patches: each swaps attributes while its context is open (workload.swapped) ---------------------------
 
 
 def unshared_prefill(trainer: Any) -> contextlib.AbstractContextManager:

@@ -42,6 +42,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
 
+from run_reference import instrument as instrument_reference
+from roofline import model_shapes
 from workload import PROCESS_START, PhaseTimer, RunResult, StepRecord, versions
 
 HERE = Path(__file__).resolve().parent
@@ -213,18 +215,7 @@ def run_reference(workload: RealWorkload) -> RunResult:
     trainer.verbose = False
     clock = EpochClock(result, timer, steps_per_epoch=workload.num_prompts,
                        samples=2 * workload.num_generations * workload.num_prompts)
-    generate = trainer._generate_completions
-
-    def counted_generate(*args: Any, **kwargs: Any) -> Any:
-        produced = generate(*args, **kwargs)
-        clock.count(sum(produced["response_lens"]), max(len(ids) for ids in produced["completion_input_ids"][0]))
-        return produced
-
-    trainer._generate_completions = timer.wrap("generation", counted_generate)
-    trainer._compute_rewards = timer.wrap("reward", trainer._compute_rewards)
-    trainer._compute_loss_with_gradients = timer.wrap("forward", trainer._compute_loss_with_gradients)
-    trainer._drain_ready_buffers = timer.wrap("update", trainer._drain_ready_buffers)
-    trainer._train_step_returns = clock.timed(trainer._train_step_returns)
+    instrument_reference(trainer, timer, clock)
     trainer.train()
     return result
 
@@ -263,17 +254,6 @@ def machine_rates(threads: int, seconds: float = 1.0) -> dict[str, float]:
         best = max(best, big.numel() * 4 / (time.perf_counter() - start))
     rates["read_bytes"] = best
     return rates
-
-
-def model_shapes(model_dir: Path) -> dict[str, int]:
-    config = json.loads((model_dir / "config.json").read_text())
-    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    kv = config["num_key_value_heads"] * head_dim
-    body = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * config["intermediate_size"])
-    head = config["vocab_size"] * hidden
-    return {"hidden": hidden, "layers": layers, "body": body, "head": head,
-            "params": body + head * (1 if config.get("tie_word_embeddings") else 2) + layers * 2 * hidden + hidden}
 
 
 def floor(shapes: dict[str, int], prompt_tokens: float, new_tokens: float, workload: RealWorkload,

@@ -50,9 +50,14 @@ def model_shapes(model_dir: Path) -> dict[str, int]:
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * head_dim
     per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * config["intermediate_size"]
+    body, head = layers * per_layer, config["vocab_size"] * hidden  # the decoder's matmul weights; the output head's
     return {
         "hidden": hidden,
         "layers": layers,
+        "body": body,
+        "head": head,
+        # every parameter: the matmul weights, the head (unless tied to the embeddings), 2 norms a layer + the last
+        "params": body + head * (1 if config.get("tie_word_embeddings") else 2) + layers * 2 * hidden + hidden,
         "matmul_params": layers * per_layer + config["vocab_size"] * hidden,  # + the (tied) output head
         "all_params": layers * per_layer + config["vocab_size"] * hidden * (1 if config.get("tie_word_embeddings") else 2),
     }

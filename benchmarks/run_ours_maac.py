@@ -10,10 +10,8 @@ are timed as ``forward``.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
 
-from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, runner_parser, versions
+from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, runner_parser, swapped, versions
 
 from run_ours import counted_rollout
 
@@ -56,17 +54,6 @@ def build_trainer(workload: Workload):
     )
 
 
-@contextmanager
-def patched(replacements: list[tuple[Any, str, Callable]]) -> Iterator[None]:
-    """Module attributes replaced for the run and put back after (the smoke test runs in-process)."""
-    originals = [(module, name, getattr(module, name)) for module, name, _ in replacements]
-    for module, name, value in replacements:
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, value in originals:
-            setattr(module, name, value)
 
 
 def run(workload: Workload) -> RunResult:
@@ -82,7 +69,7 @@ def run(workload: Workload) -> RunResult:
     # The update's forward passes (each actor's log-probs, the critic's values), timed as "forward".
     forwards = [(module, name, timer.wrap_inside("update", "forward", getattr(module, name)))
                 for module, name in ((comlrl.training.policy_update, "completion_logprobs"), (actor_critic_base, "sequence_values"))]
-    with patched(forwards):
+    with swapped(*forwards):  # put back after the run (the smoke test runs in-process)
         trainer.rollout = timer.wrap("generation", counted_rollout(trainer.rollout, clock))
         trainer.score = timer.wrap("reward", trainer.score)
         trainer.critic_inputs = timer.wrap("values", trainer.critic_inputs)

@@ -13,6 +13,23 @@ from __future__ import annotations
 from workload import PhaseTimer, RunResult, StepClock, Workload, joint_reward, model_dtype, runner_parser, versions
 
 
+
+def instrument(trainer, timer: PhaseTimer, clock, *timed_args) -> None:
+    """Time the reference trainer's phases from outside (its private methods, wrapped) and count the
+    tokens it generates; ``clock.timed`` wraps each training step (``timed_args``: its extra arguments)."""
+    generate = trainer._generate_completions
+
+    def counted_generate(*args, **kwargs):
+        produced = generate(*args, **kwargs)
+        clock.count(sum(produced["response_lens"]), max(len(ids) for ids in produced["completion_input_ids"][0]))
+        return produced
+
+    trainer._generate_completions = timer.wrap("generation", counted_generate)
+    trainer._compute_rewards = timer.wrap("reward", trainer._compute_rewards)
+    trainer._compute_loss_with_gradients = timer.wrap("forward", trainer._compute_loss_with_gradients)
+    trainer._drain_ready_buffers = timer.wrap("update", trainer._drain_ready_buffers)
+    trainer._train_step_returns = clock.timed(trainer._train_step_returns, *timed_args)
+
 def build_trainer(workload: Workload):
     from datasets import Dataset
 
@@ -53,18 +70,7 @@ def run(workload: Workload) -> RunResult:
     trainer = build_trainer(workload)
     trainer.verbose = False
     clock = StepClock(result, timer)
-    generate = trainer._generate_completions
-
-    def counted_generate(*args, **kwargs):
-        produced = generate(*args, **kwargs)
-        clock.count(sum(produced["response_lens"]), max(len(ids) for ids in produced["completion_input_ids"][0]))
-        return produced
-
-    trainer._generate_completions = timer.wrap("generation", counted_generate)
-    trainer._compute_rewards = timer.wrap("reward", trainer._compute_rewards)
-    trainer._compute_loss_with_gradients = timer.wrap("forward", trainer._compute_loss_with_gradients)
-    trainer._drain_ready_buffers = timer.wrap("update", trainer._drain_ready_buffers)
-    trainer._train_step_returns = clock.timed(trainer._train_step_returns, lambda *args, **kwargs: workload.samples_per_step())
+    instrument(trainer, timer, clock, lambda *args, **kwargs: workload.samples_per_step())
     trainer.train()
     result.finish(workload)
     return result

@@ -276,3 +276,16 @@ def model_dtype(device: str):
     import torch
 
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+@contextmanager
+def swapped(*swaps: tuple[Any, str, Any]) -> Iterator[None]:
+    """``setattr(owner, name, value)`` for each ``(owner, name, value)``, undone on exit (in reverse order)."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in swaps]
+    for owner, name, value in swaps:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
