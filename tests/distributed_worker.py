@@ -204,6 +204,40 @@ class MatrixIAC(StopsAfterStep, PerPromptSeededIAC):
     pass
 
 
+def build_matrix_magrpo_dapo(model_dir: str, prompts: list[str], per_device_batch: int) -> MatrixMAGRPO:
+    """MAGRPO with loss_type='dapo' (normalised by the batch's completion tokens, which differ per rank),
+    one pass, accumulation 3, cosine schedule, 2 epochs."""
+    from datasets import Dataset
+
+    args = MAGRPOConfig(
+        num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, agent_learning_rate=1e-3,
+        max_grad_norm=1.0, per_device_train_batch_size=per_device_batch, num_train_epochs=2, loss_type="dapo",
+        gradient_accumulation_steps=MATRIX_ACCUMULATION, lr_scheduler_type="cosine", seed=11, device="cpu",
+        disable_tqdm=True,
+    )
+    return MatrixMAGRPO(agent_model=model_dir, num_agents=2, reward_func=letter_reward,
+                        train_dataset=Dataset.from_dict({"prompt": prompts}), args=args)
+
+
+def build_matrix_madpo(model_dir: str, prompts: list[str], per_device_batch: int):
+    """MADPO (the DPO loss is a mean over pairs, whose number differs per rank), accumulation 3, linear, 2 epochs."""
+    from datasets import Dataset
+
+    from comlrl.trainers.preference import MADPOConfig, MADPOTrainer
+
+    class MatrixMADPO(StopsAfterStep, PerPromptSeeded, MADPOTrainer):
+        pass
+
+    args = MADPOConfig(
+        num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=None,
+        agent_learning_rate=1e-3, max_grad_norm=1.0, per_device_train_batch_size=per_device_batch,
+        num_train_epochs=2, max_pairs_per_prompt=None, gradient_accumulation_steps=MATRIX_ACCUMULATION,
+        lr_scheduler_type="linear", seed=11, device="cpu", disable_tqdm=True,
+    )
+    return MatrixMADPO(agent_model=model_dir, num_agents=2, reward_func=letter_reward,
+                       train_dataset=Dataset.from_dict({"prompt": prompts}), args=args)
+
+
 def build_matrix_magrpo(model_dir: str, prompts: list[str], per_device_batch: int) -> MatrixMAGRPO:
     """MAGRPO, 2 policy passes per batch, accumulation 3, linear schedule, 2 epochs."""
     from datasets import Dataset
@@ -363,6 +397,8 @@ def run_matrix(model_dir: str, prompts: list[str], out: Path) -> None:
     run_matrix_cell(build_matrix_magrpo, model_dir, prompts, out / "magrpo")
     run_matrix_cell(build_matrix_magrpo, model_dir, prompts, out / "magrpo_stop", stop_after=1)
     run_matrix_cell(build_matrix_iac, model_dir, prompts, out / "iac")
+    run_matrix_cell(build_matrix_magrpo_dapo, model_dir, prompts, out / "magrpo_dapo")
+    run_matrix_cell(build_matrix_madpo, model_dir, prompts, out / "madpo")
     run_matrix_marlhf(model_dir, prompts, out)
 
 

@@ -6,6 +6,8 @@ One launch of tests/distributed_worker.py (``--trainer matrix``) runs every cell
   (4 micro-batches an epoch: a full window and a flushed partial one);
 - the same run stopped by a SIGTERM on every rank after step 1, two micro-batches into a window;
 - IAC with separate critics (2 critic passes per batch), accumulation 3, cosine schedule;
+- MAGRPO with loss_type='dapo' and MADPO, whose losses divide by counts (completion tokens, pairs) that
+  differ between the ranks: each rank divides by the mean count over the ranks;
 - MARLHF (one iteration), and its preference stages as they ran before the stage gathered pairs
   and broadcast the fit (each rank alone).
 
@@ -23,13 +25,14 @@ import json
 import pytest
 import torch
 
-from distributed_worker import (FIXED_JOINT, MATRIX_GLOBAL_BATCH, build_matrix_iac, build_matrix_magrpo,
-                                plain_weights, record_learning_rates)
+from distributed_worker import (FIXED_JOINT, MATRIX_GLOBAL_BATCH, build_matrix_iac, build_matrix_madpo,
+                                build_matrix_magrpo, build_matrix_magrpo_dapo, plain_weights, record_learning_rates)
 from test_distributed import equal_length_prompts, launch_worker
 
 ATOL = 1e-5
 # Optimizer steps per model over 2 epochs: ceil(2 batches x passes / 3) an epoch.
-PLANNED = {"magrpo": {"agent_0": 4, "agent_1": 4},
+PLANNED = {"magrpo": {"agent_0": 4, "agent_1": 4}, "magrpo_dapo": {"agent_0": 2, "agent_1": 2},
+           "madpo": {"agent_0": 2, "agent_1": 2},
            "iac": {"agent_0": 2, "agent_1": 2, "critic_0": 4, "critic_1": 4}}
 
 
@@ -139,6 +142,16 @@ def test_magrpo_passes_accumulation_linear_two_processes_equal_one(matrix_run, s
     out, _ = matrix_run
     single, rates = single_magrpo
     final = check_cell("magrpo", out / "magrpo", single, rates)
+    assert_every_module_trained(final, tiny_llama)
+
+
+@pytest.mark.parametrize("kind, builder", [("magrpo_dapo", build_matrix_magrpo_dapo), ("madpo", build_matrix_madpo)])
+def test_per_token_and_per_pair_losses_two_processes_equal_one(kind, builder, matrix_run, tiny_llama):
+    """DAPO normalises by the batch's completion tokens and MADPO's DPO loss is a mean over the batch's pairs;
+    both counts differ between the ranks, so each rank must divide by the count over all ranks."""
+    out, prompts = matrix_run
+    single, rates = single_run(builder, tiny_llama, prompts)
+    final = check_cell(kind, out / kind, single, rates)
     assert_every_module_trained(final, tiny_llama)
 
 

@@ -114,6 +114,15 @@ class DataParallel:
         dist.all_reduce(buffer, op=dist.ReduceOp.SUM)
         return buffer.to(values.device)
 
+    def mean_counts(self, counts: Sequence[float]) -> list[float]:
+        """Each count's mean over the processes (one collective): what a loss that is a mean over this
+        process's items (tokens, pairs) must divide its sum by, so that the averaged gradient is the mean
+        over every process's items, as in one process. The counts themselves in one process."""
+        if not self.enabled:
+            return [float(count) for count in counts]
+        total = self.all_sum(torch.tensor([float(count) for count in counts], dtype=torch.float64))
+        return (total / self.world_size).tolist()
+
     def average_tensors(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each tensor averaged over the processes (copies; every rank passes the same names)."""
         return {name: self.all_sum(tensor) / self.world_size for name, tensor in sorted(tensors.items())}

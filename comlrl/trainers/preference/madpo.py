@@ -97,6 +97,9 @@ class MADPOTrainer(MultiAgentTrainer):
         devices) and its optimizer-step component counts the micro-batch, pairs or not.
         """
         num_pairs = generations[0].completion_ids.shape[0] // 2
+        # The DPO loss is a mean over pairs; the processes hold different numbers of pairs, so each divides its
+        # sum by the mean count over the processes (a collective: every process, pairs or not).
+        [mean_pairs] = self.data_parallel.mean_counts([num_pairs])
         # The same names with or without pairs (NaN then): data-parallel processes average them together.
         metrics: dict[str, float] = {"dpo/pairs": float(num_pairs),
                                      **{f"agent_{a}/loss": float("nan") for a in range(self.num_agents)},
@@ -113,7 +116,7 @@ class MADPOTrainer(MultiAgentTrainer):
                 model = self.agents[agent]
                 model.train()
                 own = self.log_ratio_differences(agent, generations[agent], references[agent])
-                loss = dpo.joint_dpo_loss(own, joint - before[agent], self.args.dpo_beta)
+                loss = dpo.joint_dpo_loss(own, joint - before[agent], self.args.dpo_beta) * (num_pairs / mean_pairs)
                 component = self.model_optimizers[f"agent_{agent}"]
                 return {f"agent_{agent}/loss": backpropagate([loss], component.loss_scale)}
 
