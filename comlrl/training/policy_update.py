@@ -69,7 +69,7 @@ def policy_losses(
     reference_logprobs: Sequence[torch.Tensor] | None = None,
     kl_coef: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
-    token_count: float | None = None,
+    counts: tuple[float, float] | None = None,
 ) -> Iterator[torch.Tensor]:
     """Each turn's clipped policy loss over its completions, normalised over all turns' completions as
     ``loss_type`` says (:func:`comlrl.algorithms.losses.aggregate_token_losses`: their sum is the agent's
@@ -81,13 +81,15 @@ def policy_losses(
     ``reference_logprobs`` with ``kl_coef > 0`` adds ``kl_coef`` times the k3 estimate of the KL to the
     reference on every token (the KL as a loss term, as TRL's GRPO ``beta``).
     ``entropy_coef > 0`` subtracts that multiple of the mean per-token entropy (an exploration
-    bonus). ``token_count`` replaces these completions' token count in the ``bnpo``/``dapo`` normaliser
-    (under data parallelism: the mean count over the processes). ``autocast_dtype`` runs the forward passes under autocast (``precision="bf16-mixed"``). The passes run with dropout off (:func:`dropout_disabled`), as the behaviour
+    bonus). ``counts`` = ``(sequences, tokens)`` replaces these completions' counts in the normaliser
+    (under data parallelism: the mean counts over the processes). ``autocast_dtype`` runs the forward passes under autocast (``precision="bf16-mixed"``). The passes run with dropout off (:func:`dropout_disabled`), as the behaviour
     log-probabilities do, and stay so while the caller backpropagates (a checkpointed layer
     recomputes in the backward pass), so the first pass's probability ratio is exactly 1.
     """
     total_rows = sum(g.completion_ids.shape[0] for g in generations)
-    total_tokens = token_count if token_count is not None else sum(int(g.completion_mask.sum()) for g in generations)
+    total_tokens = sum(int(g.completion_mask.sum()) for g in generations)
+    if counts is not None:  # the normaliser's counts: the mean over the processes under data parallelism
+        total_rows, total_tokens = counts
     normaliser = loss_normaliser(loss_type, total_rows, total_tokens, max_completion_length)
     with dropout_disabled(model):
         for turn, (generation, turn_advantages) in enumerate(zip(generations, advantages)):

@@ -64,11 +64,10 @@ class MAGRPOTrainer(MultiAgentTrainer):
         """Stage 4: each agent's policy-gradient pass(es); its optimizer-step component steps when its
         accumulation window is full (every pass is one micro-batch)."""
         metrics: dict[str, float] = {}
-        token_counts = self.token_counts(rollout)  # a collective: before any per-agent work
+        counts = self.normaliser_counts(rollout)  # a collective: before any per-agent work
 
         def backward_agent(agent_index: int) -> dict[str, float]:
-            return self.update_agent(agent_index, rollout, advantages[agent_index], reference,
-                                     token_counts[agent_index] if token_counts else None)
+            return self.update_agent(agent_index, rollout, advantages[agent_index], reference, counts[agent_index])
 
         if self.args.policy_update_epochs == 1 and self.agents_run_in_turn():
             # One agent after another: each steps right after its backward pass, so its gradients are
@@ -90,21 +89,24 @@ class MAGRPOTrainer(MultiAgentTrainer):
                 metrics.update(backward_agent(index))
         return metrics
 
-    def token_counts(self, rollout: Rollout) -> list[float] | None:
-        """Per agent, the completion-token count that normalises a token-level loss (``bnpo``/``dapo``): this
-        process's count in one process, the mean over the processes under data parallelism (each process's
-        token count differs, and the gradients are averaged). None for the other loss types."""
-        if self.args.loss_type not in ("bnpo", "dapo"):
-            return None
-        local = [sum(int(turn.generations[agent].completion_mask.sum()) for turn in rollout.turns)
-                 for agent in range(self.num_agents)]
-        return self.data_parallel.mean_counts(local)
+    def normaliser_counts(self, rollout: Rollout) -> list[tuple[float, float]]:
+        """Per agent, the ``(completions, completion tokens)`` its loss is normalised by: this process's in one
+        process, the means over the processes under data parallelism, where the gradients are averaged and the
+        counts differ (tokens always; completions when early termination ends episodes)."""
+        local = []
+        for agent in range(self.num_agents):
+            generations = [turn.generations[agent] for turn in rollout.turns]
+            local += [sum(g.completion_ids.shape[0] for g in generations),
+                      sum(int(g.completion_mask.sum()) for g in generations)]
+        means = self.data_parallel.mean_counts(local)
+        return [(means[2 * agent], means[2 * agent + 1]) for agent in range(self.num_agents)]
 
     def agent_update_passes(self) -> int:
         return self.args.policy_update_epochs
 
     def update_agent(self, agent_index: int, rollout: Rollout, advantages: list[torch.Tensor],
-                     reference: ReferenceTerms | None = None, token_count: float | None = None) -> dict[str, float]:
+                     reference: ReferenceTerms | None = None,
+                     counts: tuple[float, float] | None = None) -> dict[str, float]:
         """One agent's policy-gradient backward pass(es); with several passes each is a micro-batch of its
         optimizer-step component, and the old log-probabilities come from before the first (the reference
         stage's, when it ran)."""
@@ -126,7 +128,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
                 loss_type=args.loss_type, max_completion_length=args.max_new_tokens,
                 reference_logprobs=reference.reference[agent_index] if kl_loss else None,
                 kl_coef=args.reference_kl_coef if kl_loss else 0.0, autocast_dtype=self.autocast_dtype,
-                token_count=token_count,
+                counts=counts,
             )
             loss = backpropagate(losses, component.loss_scale)
             if passes > 1:
