@@ -148,3 +148,15 @@ def test_actor_critic_ended_episodes_have_no_later_targets(tiny_llama):
     assert (estimates.advantages[0][[0, 2], 1] == 0).all()  # unreached turns: no advantage
     metrics = trainer.update(rollout, trainer.critic_inputs(rollout), estimates, values)
     assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_actor_critic_refuses_early_termination_under_data_parallelism():
+    from types import SimpleNamespace
+
+    from comlrl.trainers.actor_critic.base import check_early_termination_alone
+
+    args = SimpleNamespace(num_turns=2, early_termination_threshold=0.5)
+    with pytest.raises(ValueError, match="IACTrainer: early_termination_threshold=0.5 cannot be combined with data"):
+        check_early_termination_alone("IACTrainer", args, data_parallel=True)
+    check_early_termination_alone("IACTrainer", args, data_parallel=False)  # one process: allowed
+    check_early_termination_alone("IACTrainer", SimpleNamespace(num_turns=2, early_termination_threshold=None), True)

@@ -43,6 +43,16 @@ from comlrl.models.value_heads import ValueHead, attach_value_head, distinct_seq
 ON_POLICY_CLIP = 0.2
 
 
+def check_early_termination_alone(trainer_name: str, args: Any, data_parallel: bool) -> None:
+    """Refuse early termination under data parallelism: the processes then hold different numbers of
+    episodes per turn, and the actor and critic losses are per-process means over them, so the averaged
+    gradient would not be the one process's (MAGRPO divides by the mean counts; actor-critic does not yet)."""
+    if data_parallel and args.num_turns > 1 and args.early_termination_threshold is not None:
+        raise ValueError(f"{trainer_name}: early_termination_threshold={args.early_termination_threshold} cannot be "
+                         "combined with data parallelism yet (the processes would weight their episodes unequally); "
+                         "unset it or train in one process")
+
+
 @dataclass
 class Estimates:
     """Per value model, ``[num_episodes, num_turns]``: the actors' advantages and the critic's targets."""
@@ -175,6 +185,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
 
     def check_before_loading(self, sources: list[Any]) -> None:
         super().check_before_loading(sources)
+        check_early_termination_alone(type(self).__name__, self.args, self.data_parallel.enabled)
         self.critic_devices = self.critic_placement(self._critic_sources)
 
     def check_model_config_values(self, model_config: dict[str, Any]) -> None:
