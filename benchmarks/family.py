@@ -107,3 +107,18 @@ def family_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--output", help="write the JSON result here (default: print it)")
     return parser
 
+
+def finish(result: Any, workload: Workload, before: float, after: float) -> Any:
+    """Close a family run's result with the held-out reward before and after training and its step count."""
+    result.finish(workload)
+    result.notes.append(f"eval_reward_before={before}")
+    result.notes.append(f"eval_reward_after={after}")
+    result.notes.append(f"steps_run={workload.total_steps}")
+    return result
+
+
+def main(run: Any, description: str) -> None:
+    """A family runner's command line: ``run(algorithm, workload, ...)`` and its result to ``--output``."""
+    args = family_parser(description).parse_args()
+    run(args.algorithm, Workload.from_arguments(args), args.eval_prompts, args.eval_samples,
+        args.pairs_per_prompt, args.dpo_beta).emit(args.output)

@@ -13,25 +13,8 @@ def build_trainer(workload: Workload, timer: PhaseTimer, generation_backend: str
     import comlrl.training.policy_update
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
-    config = MAGRPOConfig(
-        num_agents=workload.num_agents,
-        num_generations=workload.num_generations,
-        max_new_tokens=workload.max_new_tokens,
-        temperature=workload.temperature,
-        top_p=1.0,
-        top_k=None,
-        agent_learning_rate=workload.learning_rate,
-        num_train_epochs=1,
-        per_device_train_batch_size=1,
-        shuffle=False,
-        seed=workload.seed,
-        device=workload.device,
-        disable_tqdm=True,
-        logging_steps=10**6,
-        generation_backend=generation_backend,
-        precision=precision,
-        max_grad_norm=None,  # the reference never clips: equal work (the norm is still computed, for the metrics)
-    )
+    config = MAGRPOConfig(num_agents=workload.num_agents, generation_backend=generation_backend, precision=precision,
+                          **workload.ours_config())
     # The log-prob forward passes of the update, timed where every trainer calls them.
     original = getattr(comlrl.training.policy_update.completion_logprobs, "__wrapped__", comlrl.training.policy_update.completion_logprobs)
     comlrl.training.policy_update.completion_logprobs = timer.wrap("forward", original)

@@ -12,28 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from family import ADVANTAGE_MODES, SeparatedAdapter, eval_rows, evaluate, family_parser, train_rows
+import family
+from family import ADVANTAGE_MODES, SeparatedAdapter, eval_rows, evaluate, train_rows
 from workload import PhaseTimer, RunResult, StepClock, Workload, versions
 
 
 def common_settings(workload: Workload) -> dict[str, Any]:
-    return dict(
-        num_generations=workload.num_generations,
-        max_new_tokens=workload.max_new_tokens,
-        temperature=workload.temperature,
-        top_p=1.0,
-        top_k=None,
-        agent_learning_rate=workload.learning_rate,
-        weight_decay=0.01,  # torch AdamW's default, which the reference uses
-        max_grad_norm=None,  # the reference does not clip
-        num_train_epochs=1,
-        per_device_train_batch_size=1,
-        shuffle=False,
-        seed=workload.seed,
-        device=workload.device,
-        disable_tqdm=True,
-        logging_steps=10**6,
-    )
+    return dict(workload.ours_config(), weight_decay=0.01)  # torch AdamW's default, which the reference uses
 
 
 def build_trainer(algorithm: str, workload: Workload, pairs_per_prompt: int = 2, dpo_beta: float = 0.1):
@@ -81,18 +66,8 @@ def run(algorithm: str, workload: Workload, eval_prompts: int = 4, eval_samples:
     clock = StepClock(result, timer)
     trainer.train_step = clock.timed(trainer.train_step, lambda rows: len(rows) * workload.num_generations)
     trainer.train()
-    result.finish(workload)
-    result.notes.append(f"eval_reward_before={before}")
-    result.notes.append(f"eval_reward_after={eval_reward()}")
-    result.notes.append(f"steps_run={workload.total_steps}")
-    return result
-
-
-def main() -> None:
-    args = family_parser(__doc__).parse_args()
-    run(args.algorithm, Workload.from_arguments(args), args.eval_prompts, args.eval_samples,
-        args.pairs_per_prompt, args.dpo_beta).emit(args.output)
+    return family.finish(result, workload, before, eval_reward())
 
 
 if __name__ == "__main__":
-    main()
+    family.main(run, __doc__)

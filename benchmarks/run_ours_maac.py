@@ -23,26 +23,13 @@ def build_trainer(workload: Workload):
 
     config = MAACConfig(
         num_agents=workload.num_agents,
-        num_generations=workload.num_generations,
-        max_new_tokens=workload.max_new_tokens,
-        temperature=workload.temperature,
-        top_p=1.0,
-        top_k=None,
-        agent_learning_rate=workload.learning_rate,
         critic_learning_rate=workload.learning_rate,
         value_head_learning_rate=None,  # the head at the critic's rate too, as the reference
         critic_type="v",
         value_loss_coef=0.5,
         gae_lambda=0.0,  # one turn: advantage r - V, critic target r (as the reference)
         normalize_advantages=False,
-        max_grad_norm=None,  # the reference's MAAC does not clip
-        num_train_epochs=1,
-        per_device_train_batch_size=1,
-        shuffle=False,
-        seed=workload.seed,
-        device=workload.device,
-        disable_tqdm=True,
-        logging_steps=10**6,
+        **workload.ours_config(),
     )
     return MAACTrainer(
         agent_model=workload.model_dir,

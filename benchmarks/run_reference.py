@@ -36,19 +36,9 @@ def build_trainer(workload: Workload):
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
     config = MAGRPOConfig(
-        num_train_epochs=1,
-        agent_learning_rate=workload.learning_rate,
-        logging_steps=10**6,
         num_agents=workload.num_agents,
-        agent_devices=workload.device,
         num_generations=workload.num_generations,
-        max_new_tokens=workload.max_new_tokens,
-        temperature=workload.temperature,
-        top_p=1.0,
-        top_k=None,
-        num_turns=1,
-        early_termination_threshold=None,
-        eval_interval=0,
+        **workload.reference_config(),
         rollout_buffer_size=1,
         train_batch_size=1,
     )

@@ -14,24 +14,9 @@ each timed on its own and paired in order.
 
 from __future__ import annotations
 
-from family import ADVANTAGE_MODES, SeparatedAdapter, eval_rows, evaluate, family_parser, letters_reward, train_rows
+import family
+from family import ADVANTAGE_MODES, SeparatedAdapter, eval_rows, evaluate, letters_reward, train_rows
 from workload import PhaseTimer, RunResult, StepClock, StepRecord, Workload, model_dtype, versions
-
-
-def common_settings(workload: Workload) -> dict:
-    return dict(
-        num_train_epochs=1,
-        agent_learning_rate=workload.learning_rate,
-        logging_steps=10**6,
-        agent_devices=workload.device,
-        max_new_tokens=workload.max_new_tokens,
-        temperature=workload.temperature,
-        top_p=1.0,
-        top_k=None,
-        num_turns=1,
-        early_termination_threshold=None,
-        eval_interval=0,
-    )
 
 
 def build_trainer(algorithm: str, workload: Workload, pairs_per_prompt: int = 2, dpo_beta: float = 0.1):
@@ -43,7 +28,7 @@ def build_trainer(algorithm: str, workload: Workload, pairs_per_prompt: int = 2,
     kwargs = dict(agent_model=workload.model_dir, num_agents=workload.num_agents,
                   model_config={"dtype": model_dtype(workload.device)}, train_dataset=dataset,
                   reward_func=letters_reward, wandb_config=None)
-    settings = common_settings(workload)
+    settings = workload.reference_config()
     if algorithm in ADVANTAGE_MODES:
         name = {"mareinforce": "MAREINFORCE", "maremax": "MAReMax", "marloo": "MARLOO"}[algorithm]
         config = getattr(trainers, f"{name}Config")(num_agents=workload.num_agents, num_generations=workload.num_generations,
@@ -111,18 +96,8 @@ def run(algorithm: str, workload: Workload, eval_prompts: int = 4, eval_samples:
         clock = StepClock(result, timer)
         trainer._train_step_returns = clock.timed(trainer._train_step_returns, lambda *a, **k: workload.num_generations)
         trainer.train()
-    result.finish(workload)
-    result.notes.append(f"eval_reward_before={before}")
-    result.notes.append(f"eval_reward_after={eval_reward()}")
-    result.notes.append(f"steps_run={workload.total_steps}")
-    return result
-
-
-def main() -> None:
-    args = family_parser(__doc__).parse_args()
-    run(args.algorithm, Workload.from_arguments(args), args.eval_prompts, args.eval_samples,
-        args.pairs_per_prompt, args.dpo_beta).emit(args.output)
+    return family.finish(result, workload, before, eval_reward())
 
 
 if __name__ == "__main__":
-    main()
+    family.main(run, __doc__)

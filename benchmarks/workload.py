@@ -63,6 +63,21 @@ class Workload:
     def from_arguments(cls, args: argparse.Namespace) -> "Workload":
         return cls(**{name: getattr(args, name) for name in cls.__dataclass_fields__})
 
+    def ours_config(self) -> dict[str, Any]:
+        """What every runner of this library sets alike: the workload's sampling (no top-k/top-p), one epoch
+        over the rows in order, one prompt per step, no gradient clipping (the reference never clips), quiet."""
+        return dict(num_generations=self.num_generations, max_new_tokens=self.max_new_tokens,
+                    temperature=self.temperature, top_p=1.0, top_k=None, agent_learning_rate=self.learning_rate,
+                    max_grad_norm=None, num_train_epochs=1, per_device_train_batch_size=1, shuffle=False,
+                    seed=self.seed, device=self.device, disable_tqdm=True, logging_steps=10**6)
+
+    def reference_config(self) -> dict[str, Any]:
+        """What every runner of the reference sets alike: the workload's sampling, one epoch, one turn, no
+        early termination or periodic evaluation, quiet."""
+        return dict(num_train_epochs=1, agent_learning_rate=self.learning_rate, logging_steps=10**6,
+                    agent_devices=self.device, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                    top_p=1.0, top_k=None, num_turns=1, early_termination_threshold=None, eval_interval=0)
+
     @property
     def total_steps(self) -> int:
         return self.warmup_steps + self.steps
