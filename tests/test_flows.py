@@ -17,19 +17,12 @@ import yaml
 
 from comlrl.tasks.letters import write_dataset
 from flows.spec import SpecError, load_spec, parse_spec
+from letters_spec import letters_spec
 
 pytestmark = pytest.mark.slow
 
-SPEC = {
-    "name": "flowtest",
-    "algorithm": "magrpo",
-    "models": {"agent_model": {"tiny": {"architecture": "llama", "vocab_size": 96, "seed": 0}}},
-    "dataset": {"train": "data/letters/train.parquet", "eval": "data/letters/eval.parquet"},
-    "reward": "comlrl.tasks.letters:letters_reward",
-    "config": {"num_agents": 2, "num_generations": 2, "max_new_tokens": 6, "temperature": 1.0,
-               "agent_learning_rate": 0.003, "num_train_epochs": 3, "per_device_train_batch_size": 2,
-               "seed": 0, "disable_tqdm": True},
-}
+SPEC = letters_spec("flowtest", num_generations=2, max_new_tokens=6, temperature=1.0, agent_learning_rate=0.003,
+                    num_train_epochs=3, per_device_train_batch_size=2)
 STEPS_PER_EPOCH = 2  # 4 rows, batch 2
 
 

@@ -23,18 +23,13 @@ import pytest
 import yaml
 
 from comlrl.tasks.letters import write_dataset
+from letters_spec import letters_spec
 from test_servers import ROOT, free_port, get_json
 
 SPEC = {
-    "name": "uxtest",
-    "algorithm": "magrpo",
-    "models": {"agent_model": {"tiny": {"architecture": "llama", "vocab_size": 96, "seed": 0}}},
-    "dataset": {"train": "data/letters/train.parquet", "eval": "data/letters/eval.parquet"},
-    "reward": "comlrl.tasks.letters:letters_reward",
     # Measured: evaluation reward 0.102 untrained (and at lr 1e-9), 0.136 after these 4 steps at lr 0.02.
-    "config": {"num_agents": 2, "num_generations": 4, "max_new_tokens": 8, "temperature": 1.0,
-               "agent_learning_rate": 0.02, "num_train_epochs": 2, "per_device_train_batch_size": 2, "seed": 0,
-               "disable_tqdm": True},
+    **letters_spec("uxtest", num_generations=4, max_new_tokens=8, temperature=1.0, agent_learning_rate=0.02,
+                   num_train_epochs=2, per_device_train_batch_size=2),
     "execution": {"steps_per_task": 1},
 }
 PROMPT = "tell me about the cat"

@@ -29,6 +29,7 @@ import yaml
 from comlrl.tasks.letters import write_dataset
 from flows import orchestrator
 from flows.orchestrator import DRAIN_TIMEOUT, EXIT_ORCHESTRATOR_UNREACHABLE
+from letters_spec import letters_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 EPOCHS = 3
@@ -80,15 +81,8 @@ def post_json(url: str, body: dict) -> list:
 def project(tmp_path) -> Path:
     root = tmp_path / "project"
     write_dataset(root / "data" / "letters", num_train=4, num_eval=2)
-    spec = {
-        "name": "outage",
-        "algorithm": "magrpo",
-        "models": {"agent_model": {"tiny": {"architecture": "llama", "vocab_size": 96}}},
-        "dataset": {"train": "data/letters/train.parquet", "eval": "data/letters/eval.parquet"},
-        "reward": "comlrl.tasks.letters:letters_reward",
-        "config": {"num_agents": 2, "num_generations": 2, "max_new_tokens": 4, "num_train_epochs": EPOCHS,
-                   "per_device_train_batch_size": 2, "seed": 0, "disable_tqdm": True},
-    }
+    spec = letters_spec("outage", num_generations=2, max_new_tokens=4, num_train_epochs=EPOCHS,
+                        per_device_train_batch_size=2)
     (root / "spec.yaml").write_text(yaml.safe_dump(spec))
     return root
 

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from comlrl.tasks.letters import write_dataset
+from letters_spec import letters_spec
 
 pytestmark = pytest.mark.slow
 
@@ -58,15 +59,8 @@ def test_the_flow_runs_against_real_prefect_and_mlflow_servers(servers, tmp_path
     assert servers["MLFLOW_TRACKING_URI"].startswith("http://127.0.0.1:")
     project = tmp_path / "project"
     write_dataset(project / "data" / "letters", num_train=4, num_eval=2)
-    spec = {
-        "name": "servertest",
-        "algorithm": "magrpo",
-        "models": {"agent_model": {"tiny": {"architecture": "llama", "vocab_size": 96}}},
-        "dataset": {"train": "data/letters/train.parquet", "eval": "data/letters/eval.parquet"},
-        "reward": "comlrl.tasks.letters:letters_reward",
-        "config": {"num_agents": 2, "num_generations": 2, "max_new_tokens": 6, "num_train_epochs": 2,
-                   "per_device_train_batch_size": 2, "seed": 0, "disable_tqdm": True},
-    }
+    spec = letters_spec("servertest", num_generations=2, max_new_tokens=6, num_train_epochs=2,
+                        per_device_train_batch_size=2)
     (project / "spec.yaml").write_text(yaml.safe_dump(spec))
     env = {**os.environ, **servers, "HF_HUB_OFFLINE": "1"}
     for key in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH"):
