@@ -34,7 +34,7 @@ def best_effort(publish: Callable[..., Any], *args: Any) -> Any:
 
 
 class BackgroundPublisher:
-    """Publishes artifacts from a background thread, so the training thread never waits on the API.
+    """Publishes artifacts from a background thread, so the training thread does not wait on the API.
 
     Every :meth:`submit` is published, in the order submitted (a table artifact gets one version per
     boundary), through :func:`best_effort`, in a copy of the Prefect context it was submitted from

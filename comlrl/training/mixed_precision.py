@@ -13,7 +13,7 @@ What it changes, and nothing else:
 
 The policy that samples is then the float32 policy rounded to bf16, not the float32 policy itself;
 the update's ratio and KL use the autocast log-probs throughout, so they are consistent with each
-other (a first update pass has ratio exactly 1). Measured on SmolLM2-135M (benchmarks/README.md):
+other, not with the bf16 sampler's. Measured on SmolLM2-135M (benchmarks/README.md):
 per-token log-probs 0.03 nats from float32 on average, gradient cosine 0.999.
 """
 
@@ -25,6 +25,8 @@ from typing import Iterator, Sequence
 
 import torch
 
+from comlrl.parallel.placement import model_device
+
 MIXED_PRECISIONS = {"bf16-mixed": torch.bfloat16}
 
 
@@ -33,18 +35,13 @@ def compute_dtype(precision: str) -> torch.dtype | None:
     return MIXED_PRECISIONS.get(precision)
 
 
-def module_device(module: torch.nn.Module) -> torch.device:
-    parameter = next(module.parameters(), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
-
-
 @contextlib.contextmanager
 def autocast(module: torch.nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
     """``torch.autocast`` to ``dtype`` on ``module``'s device type; nothing when ``dtype`` is None."""
     if dtype is None:
         yield
         return
-    with torch.autocast(module_device(module).type, dtype=dtype):
+    with torch.autocast(model_device(module).type, dtype=dtype):
         yield
 
 

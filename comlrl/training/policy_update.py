@@ -82,14 +82,14 @@ def policy_losses(
     reference on every token (the KL as a loss term, as TRL's GRPO ``beta``).
     ``entropy_coef > 0`` subtracts that multiple of the mean per-token entropy (an exploration
     bonus). ``counts`` = ``(sequences, tokens)`` replaces these completions' counts in the normaliser
-    (under data parallelism: the mean counts over the processes). ``autocast_dtype`` runs the forward passes under autocast (``precision="bf16-mixed"``). The passes run with dropout off (:func:`dropout_disabled`), as the behaviour
+    (under data parallelism: the mean counts over the processes). ``autocast_dtype`` runs the forward
+    passes under autocast (``precision="bf16-mixed"``). The passes run with dropout off
+    (:func:`dropout_disabled`), as the behaviour
     log-probabilities do, and stay so while the caller backpropagates (a checkpointed layer
     recomputes in the backward pass), so the first pass's probability ratio is exactly 1.
     """
-    total_rows = sum(g.completion_ids.shape[0] for g in generations)
-    total_tokens = sum(int(g.completion_mask.sum()) for g in generations)
-    if counts is not None:  # the normaliser's counts: the mean over the processes under data parallelism
-        total_rows, total_tokens = counts
+    total_rows, total_tokens = counts if counts is not None else (
+        sum(g.completion_ids.shape[0] for g in generations), sum(int(g.completion_mask.sum()) for g in generations))
     normaliser = loss_normaliser(loss_type, total_rows, total_tokens, max_completion_length)
     with dropout_disabled(model):
         for turn, (generation, turn_advantages) in enumerate(zip(generations, advantages)):
