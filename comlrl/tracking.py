@@ -5,22 +5,28 @@ MLflow is optional (the ``pipeline`` extra); it is imported only when one of the
 - :func:`open_run` finds or creates the MLflow run of a pipeline run (a resumed run logs into
   the run recorded in its checkpoint's metadata, see ``trainer.run_identity["mlflow"]``).
 - :class:`MLflowCallback` sends the trainer's metrics (and, through it, params, tags, artifacts
-  and the run's final status) without ever waiting for the tracking server: a send appends to
-  an in-memory queue; a background thread writes the queue to an on-disk spool
-  (:mod:`comlrl.tracking_spool`, one ``fsync`` per batch) and delivers the spool to the same
-  MLflow run, metrics with their original step and timestamp, retrying while the server is down.
-  A tracking outage therefore never slows or stops training. At the end (``on_train_end``,
-  :meth:`MLflowCallback.close`, or interpreter exit) the process waits at most
-  ``drain_timeout`` seconds in all for delivery (and up to a second more to stop the sender);
-  whatever is still undelivered stays in the spool, with one warning naming it and the command
-  ``comlrl sync <spool-or-run-dir>`` that replays it (:func:`comlrl.tracking_spool.replay`).
-  Replay is idempotent: the spool records the byte offset the store acknowledged, so nothing
-  already delivered is sent again.
+  and the run's final status) without ever waiting for the tracking server: a send writes the
+  record to an on-disk spool (:mod:`comlrl.tracking_spool`) with one ``write`` and one ``fsync``
+  before it returns, so a step whose ``on_log`` returned survives a killed process (and a lost
+  machine); a background thread delivers the spool to the same MLflow run, metrics with their
+  original step and timestamp, retrying while the server is down. A tracking outage therefore
+  never slows or stops training. A callback opened on a spool that already holds metrics (a
+  resumed run, which re-runs the steps after its checkpoint) does not spool a (key, step) again
+  that the spool holds at that step or later: MLflow gets every step once. At the end
+  (``on_train_end``, :meth:`MLflowCallback.close`, or interpreter exit) the process waits at
+  most ``drain_timeout`` seconds in all for delivery (and up to a second more to stop the
+  sender); whatever is still undelivered stays in the spool, with one warning naming it and the
+  command ``comlrl sync <spool-or-run-dir>`` that replays it (:func:`sync`). Replay is
+  idempotent: the spool records the byte offset the store acknowledged, so nothing already
+  delivered is sent again.
 - While a callback is open for an MLflow run, :func:`log_params`, :func:`log_artifact` and
   :func:`finish_run` for that run go through its spool too; otherwise they call MLflow directly.
 - MLflow's HTTP client retries a failed call for about four minutes by default; the first
   :func:`open_run` or callback bounds it (:data:`HTTP_BOUNDS`, unless the environment already
-  sets those variables).
+  sets those variables). Commands (``comlrl sync``, ``comlrl promote``) also bound their MLflow
+  work as a whole (:func:`call_with_deadline`): ``COMLRL_MLFLOW_DEADLINE`` seconds, default
+  :data:`DEFAULT_DEADLINE`; a server that does not answer in time (down, or hung) ends the
+  command with :data:`EXIT_UNREACHABLE`.
 - :func:`register_agents` logs each agent as an MLflow ``transformers`` model, registers one
   model per agent role (``<name>-agent-<i>``) with run/algorithm/spec-hash tags and sets an
   alias (``candidate``); :func:`promote` moves ``champion`` to the candidate versions.
@@ -31,12 +37,15 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from comlrl.callbacks import TrainerCallback
-from comlrl.tracking_spool import Sender, Spool
+from comlrl.tracking_spool import (CALL_THREAD, Sender, Spool, SpoolBusy, SpoolDamaged, SpoolError, find_spools,
+                                   permanent_error, replay)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,16 @@ MODEL_REQUIREMENTS = ["torch", "transformers", "tokenizers", "safetensors", "acc
 # retry (urllib3 waits only before the second) and 30 s without an answer.
 HTTP_BOUNDS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+# A command's MLflow work as a whole: `comlrl promote` gives up after this many seconds, `comlrl sync`
+# after this many seconds without an acknowledgement. A hung server (one that accepts connections
+# but never answers) would otherwise keep a command for MLflow's retries of every call in turn.
+DEADLINE_ENV = "COMLRL_MLFLOW_DEADLINE"
+DEFAULT_DEADLINE = 60.0
+# Exit statuses of the commands that talk to MLflow (sysexits.h).
+EXIT_BAD_INPUT = 2
+EXIT_DAMAGED = 65  # EX_DATAERR: a spool (or part of one) cannot be read; running again cannot help
+EXIT_UNREACHABLE = 75  # EX_TEMPFAIL: MLflow did not answer in time; nothing was lost, run again later
+T = TypeVar("T")
 
 
 class TrackingUnavailable(RuntimeError):
@@ -65,6 +84,125 @@ def bound_http_retries() -> dict[str, str]:
     applied = {key: value for key, value in HTTP_BOUNDS.items() if key not in os.environ}
     os.environ.update(applied)
     return applied
+
+
+class TrackingDeadline(TimeoutError):
+    """MLflow did not answer a command's calls within its deadline (:func:`call_with_deadline`)."""
+
+
+def command_deadline() -> float:
+    """Seconds a command's MLflow work may take: ``COMLRL_MLFLOW_DEADLINE``, default :data:`DEFAULT_DEADLINE`."""
+    raw = os.environ.get(DEADLINE_ENV)
+    if raw is None:
+        return DEFAULT_DEADLINE
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{DEADLINE_ENV} must be a positive number of seconds, got {raw!r}; unset it for the "
+                         f"default ({DEFAULT_DEADLINE:g} s)")
+    return seconds
+
+
+def call_with_deadline(work: Callable[[], T], what: str, seconds: float | None = None,
+                       progress: Callable[[], Any] | None = None) -> T:
+    """``work()``, or :class:`TrackingDeadline` once ``seconds`` (default :func:`command_deadline`)
+    pass without its end, or, given ``progress``, without a change of ``progress()``.
+
+    The work runs in a daemon thread: a call blocked on a hung server cannot be interrupted, but it
+    no longer holds the caller, and it ends with the process."""
+    seconds = command_deadline() if seconds is None else seconds
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # handed to the caller
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name=f"{CALL_THREAD}-{what[:40]}", daemon=True)
+    thread.start()
+    seen = progress() if progress is not None else None
+    expires = time.monotonic() + seconds
+    while thread.is_alive():
+        thread.join(max(0.0, min(expires - time.monotonic(), 0.5)))
+        if progress is not None and (now := progress()) != seen:
+            seen, expires = now, time.monotonic() + seconds
+        if thread.is_alive() and time.monotonic() >= expires:
+            quiet = " without progress" if progress is not None else ""
+            raise TrackingDeadline(f"{what} did not answer within {seconds:g} s{quiet} (deadline {DEADLINE_ENV})")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether ``error`` says the tracking server could not be reached or did not answer (a transport
+    failure, a 5xx or 429 answer, a deadline), rather than refused the request: trying again later may help."""
+    if isinstance(error, TrackingDeadline):
+        return True
+    return callable(getattr(error, "get_http_status_code", None)) and not permanent_error(error)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What :func:`sync` did with one spool: a message for people and the command's exit status."""
+
+    directory: Path
+    exit_status: int
+    message: str
+
+
+def sync(path: str | Path, tracking_uri: str | None = None, deadline: float | None = None) -> list[SyncResult]:
+    """Deliver every spool at ``path`` (:func:`comlrl.tracking_spool.find_spools`) to its run.
+
+    Per spool: ``0`` all delivered; :data:`EXIT_DAMAGED` unreadable (its header or file), or
+    damaged bytes skipped (with a warning naming the offset and length) while everything readable
+    was delivered; :data:`EXIT_UNREACHABLE` MLflow did not acknowledge anything for ``deadline``
+    seconds (default :func:`command_deadline`): nothing was lost, the rest waits for another sync,
+    and the spools behind the same server are not tried; :data:`EXIT_BAD_INPUT` another run's or a
+    busy spool. Raises :class:`~comlrl.tracking_spool.SpoolError` when ``path`` holds no spool."""
+    bound_http_retries()
+    deadline = command_deadline() if deadline is None else deadline
+    unanswered: set[str] = set()  # servers that did not answer: their other spools are not tried
+    return [_sync_one(directory, tracking_uri, deadline, unanswered) for directory in find_spools(path)]
+
+
+def _sync_one(directory: Path, tracking_uri: str | None, deadline: float, unanswered: set[str]) -> SyncResult:
+    try:
+        spool = Spool(directory)
+    except SpoolDamaged as error:
+        return SyncResult(directory, EXIT_DAMAGED, f"{directory}: unreadable: {error}")
+    except SpoolError as error:
+        return SyncResult(directory, EXIT_BAD_INPUT, str(error))
+    uri = tracking_uri or spool.header["tracking_uri"]
+    if uri in unanswered:
+        return SyncResult(directory, EXIT_UNREACHABLE, f"{directory}: not tried: MLflow at {uri} did not answer "
+                                                       f"for the spool before; nothing was lost, run this again later")
+    try:
+        _, report = call_with_deadline(lambda: replay(spool, uri), f"MLflow at {uri}", deadline,
+                                       progress=lambda: spool.acked)
+    except SpoolBusy as error:
+        return SyncResult(directory, EXIT_BAD_INPUT, str(error))
+    except Exception as error:
+        if unreachable(error):
+            unanswered.add(uri)
+            return SyncResult(directory, EXIT_UNREACHABLE, f"{directory}: MLflow unreachable ({str(error)[:300]}); "
+                                                           f"nothing was lost, run this again later")
+        if isinstance(error, OSError):
+            return SyncResult(directory, EXIT_DAMAGED, f"{directory}: unreadable: cannot read or write the spool "
+                                                       f"({error}); nothing was lost, fix that and run this again")
+        raise
+    refused = f"; refused by MLflow and skipped: {report.refused}" if report.refused else ""
+    delivered = (f"{directory}: delivered {report.records} records ({report.metrics} metric values, "
+                 f"{report.artifacts} artifacts) to MLflow run {spool.header['run_id']}{refused}")
+    if not report.damaged:
+        return SyncResult(directory, 0, delivered)
+    spans = ", ".join(f"{d.length} bytes at byte offset {d.offset}" for d in report.damaged)
+    return SyncResult(directory, EXIT_DAMAGED, f"{delivered}; but {spool.path} was damaged: {spans} held no whole "
+                                               f"record and were skipped (what they held cannot be delivered; "
+                                               f"syncing again will not bring it back)")
 
 
 def _client(tracking_uri: str) -> Any:
@@ -175,14 +313,16 @@ _OPEN: dict[str, "MLflowCallback"] = {}
 
 class MLflowCallback(TrainerCallback):
     """Sends every ``on_log`` metrics dict to an MLflow run through a spool; never waits on MLflow
-    during training (see the module docstring).
+    during training (see the module docstring). Every send is written and ``fsync``'d to the spool
+    before it returns; a spool write that fails (a full disk) is logged and retried by the sender.
 
     ``spool_dir``: the spool lives in ``spool_dir/<mlflow run id>/`` (default
     ``.comlrl/tracking`` under the working directory; the pipeline uses ``runs/<run_id>/tracking``).
     ``drain_timeout``: the most seconds all end-of-run waits for delivery take together.
     ``retry_interval`` / ``max_retry_interval``: the sender's backoff while the server is down.
     ``send_interval``: seconds between the sender's deliveries (a flush or close delivers at once).
-    A spool left by an earlier process for the same run is delivered first.
+    A spool left by an earlier process for the same run is delivered first, and the metric steps it
+    holds are not spooled again (a resumed run re-running the steps after its checkpoint).
     """
 
     def __init__(self, identity: dict[str, Any], spool_dir: str | Path | None = None, drain_timeout: float = 20.0,
@@ -202,14 +342,28 @@ class MLflowCallback(TrainerCallback):
         self.spool = Spool(directory, identity)
         self.sender = Sender(self.spool, identity["tracking_uri"], interval=send_interval,
                              retry_interval=retry_interval, max_retry_interval=max_retry_interval)
+        self.spooled_steps = self.spool.logged_steps()  # key -> the last step an earlier process spooled
+        self.skipped_values = 0
         self.closed = False
         _OPEN[identity["run_id"]] = self
 
-    # ----- what the trainer and the flow send: queue appends ------------------------------------
+    # ----- what the trainer and the flow send: durable spool appends ----------------------------
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
-        now_ms = int(time.time() * 1000)
-        self._put({"metrics": [[name.replace("@", "_"), float(value), now_ms, int(step)]
-                               for name, value in metrics.items()]})
+        """Spool ``metrics`` of ``step``; on disk when this returns. A value of a key the spool held
+        at this step or later when the callback opened is a re-run step of a resumed run: skipped."""
+        now_ms, skipped_before = int(time.time() * 1000), self.skipped_values
+        entries = []
+        for name, value in metrics.items():
+            key = name.replace("@", "_")
+            if key in self.spooled_steps and step <= self.spooled_steps[key]:
+                self.skipped_values += 1
+                continue
+            entries.append([key, float(value), now_ms, int(step)])
+        if skipped_before == 0 < self.skipped_values:
+            logger.info("MLflow run %s: step %d and the steps after it that %s already holds are not logged again "
+                        "(a resumed run re-runs them)", self.identity["run_id"], step, self.spool.path)
+        if entries:
+            self._put({"metrics": entries})
 
     def log_params(self, params: dict[str, Any]) -> None:
         self._put({"params": [[key, value] for key, value in flatten(params).items()]})
@@ -225,8 +379,8 @@ class MLflowCallback(TrainerCallback):
 
     def _put(self, record: dict[str, Any]) -> None:
         self.sender.put(record)
-        if self.closed:  # nobody delivers any more: keep it in the spool for `comlrl sync`
-            self.sender.spool_queued()
+        self.sender.write_queued()  # durable before the send returns; a failed write stays queued
+        if self.closed:  # nobody delivers any more: it waits in the spool for `comlrl sync`
             logger.warning("MLflowCallback of run %s is closed; a record sent afterwards waits in %s",
                            self.identity["run_id"], self.spool.path)
 
@@ -262,10 +416,14 @@ class MLflowCallback(TrainerCallback):
         metrics = sum(len(r.get("metrics", ())) for _, r in records)
         artifacts = sum("artifact" in r for _, r in records)
         reason = f" (last error: {str(self.sender.last_error)[:200]})" if self.sender.last_error else ""
+        unwritten = self.sender.unwritten
+        lost = (f" But {unwritten} more records could not be written to the spool ({self.sender.write_error}) "
+                f"and are lost with this process." if unwritten else "")
         return (f"MLflow at {self.identity['tracking_uri']} did not take all of run {self.identity['run_id']}'s "
-                f"records within {self.drain_timeout:g} s{reason}. Training is unaffected and nothing is lost: "
+                f"records within {self.drain_timeout:g} s{reason}. Training is unaffected and the spool keeps them: "
                 f"{len(records)} records ({metrics} metric values, {artifacts} artifacts) wait in {self.spool.path}. "
-                f"Once the server answers, replay them into the same run with:  comlrl sync {self.spool.directory}")
+                f"Once the server answers, replay them into the same run with:  comlrl sync {self.spool.directory}"
+                f"{lost}")
 
     def unavailable(self) -> TrackingUnavailable:
         return TrackingUnavailable(self.undelivered_message(), self.spool.directory)
@@ -376,14 +534,19 @@ def promote(
         try:
             versions[name] = client.get_model_version_by_alias(name, from_alias).version
         except Exception as error:
+            if not permanent_error(error):  # no answer is not "no alias": the caller tells them apart
+                raise
             raise ValueError(f"registered model {name!r} has no version with alias {from_alias!r}: {error}") from None
     moved = []
     for name, version in versions.items():
         try:
             previous = client.get_model_version_by_alias(name, to_alias).version
-            client.set_registered_model_tag(name, f"previous_{to_alias}", str(previous))
-        except Exception:
+        except Exception as error:
+            if not permanent_error(error):
+                raise
             previous = None
+        if previous is not None:
+            client.set_registered_model_tag(name, f"previous_{to_alias}", str(previous))
         client.set_registered_model_alias(name, to_alias, version)
         moved.append({"name": name, "version": str(version), "previous": str(previous) if previous else None})
     return moved
@@ -396,7 +559,9 @@ def aliased_versions(tracking_uri: str, names: Sequence[str], alias: str) -> dic
     for name in names:
         try:
             found[name] = str(client.get_model_version_by_alias(name, alias).version)
-        except Exception:
+        except Exception as error:
+            if not permanent_error(error):  # an unreachable server raises; only a refusal means "no alias"
+                raise
             return None
     return found
 

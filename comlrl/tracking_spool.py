@@ -2,24 +2,42 @@
 
 A :class:`Spool` is one directory per MLflow run::
 
-    spool.jsonl   append-only JSON lines: a header naming the run, then one record per line
+    spool.jsonl   append-only: a JSON header line naming the run, then one record per line
     acked         byte offset in spool.jsonl up to which the tracking store acknowledged
     artifacts/    copies of logged files and folders, taken when they were spooled
     lock          held (``flock``) by the one process writing and delivering this spool
 
 Records are ``{"metrics": [[key, value, timestamp_ms, step], ...]}``, ``{"params": [[k, v]]}``,
 ``{"tags": [[k, v]]}``, ``{"artifact": "artifacts/<n>/<name>", "artifact_path": ...}`` and
-``{"status": "FINISHED" | "FAILED", "end_time": ms}``. Delivery (:meth:`Spool.deliver`) sends the
-records after ``acked`` in order, consecutive records of one kind in one ``log_batch`` call, and
-moves ``acked`` past each call the store acknowledged: a delivered record is not sent again
-(unless the process died between the store's answer and the ``acked`` write; the SQL stores then
-keep one copy of an identical metric). What the store refuses (a 4xx answer, e.g. a param
-re-logged with another value) is skipped with an error naming it, so it cannot block the rest.
+``{"status": "FINISHED" | "FAILED", "end_time": ms}``. Since spool version 2 each record line is
+a checked frame, ``#<length> <crc32 hex> <json>``: a reader knows a whole record from a torn or
+corrupted one. Version-1 spools (plain JSON lines, written before) are still read, and a
+version-1 spool that a newer process continues gets version-2 frames after its old lines.
 
-A :class:`Sender` delivers a spool from a background thread: :meth:`Sender.put` is a deque
-append; the thread writes what was put to the spool (one write and ``fsync`` per batch) and
-delivers it, retrying with a capped exponential backoff while the server is down.
-:func:`replay` delivers a spool left by an earlier process (``comlrl sync``).
+Writing (:meth:`Spool.append`): whole records in one ``write`` and one ``fsync``; when either
+fails (a full disk, a file-size limit) the file is cut back to where it was, so a retry writes
+every record whole and never after half of one.
+
+Reading (:meth:`Spool.entries`): a line that is not a whole record (a write cut short by an
+older version, a corrupted byte) is skipped with a warning naming the file, the byte offset and
+the length, and a whole record written right after the torn bytes on the same line is still
+found; an unfinished last line (a process killed mid-write) is not read, and dropped by the next
+process that takes the spool (:meth:`Spool.lock`). A damaged spool therefore never blocks what
+comes after the damage. Only a spool whose header or file cannot be read is unusable
+(:class:`SpoolDamaged`).
+
+Delivery (:meth:`Spool.deliver`) sends the records after ``acked`` in order, consecutive records
+of one kind in one ``log_batch`` call, and moves ``acked`` past each call the store acknowledged:
+a delivered record is not sent again (unless the process died between the store's answer and
+the ``acked`` write; the SQL stores then keep one copy of an identical metric). What the store
+refuses (a 4xx answer, e.g. a param re-logged with another value) is skipped with an error
+naming it, so it cannot block the rest.
+
+A :class:`Sender` delivers a spool from a background thread, retrying with a capped exponential
+backoff while the server is down; what its owner writes with :meth:`Sender.put` and
+:meth:`Sender.write_queued` is on disk before the call returns (a record whose write failed
+stays queued and the thread writes it again). :func:`replay` delivers a spool left by an earlier
+process (``comlrl sync``).
 """
 
 from __future__ import annotations
@@ -28,9 +46,11 @@ import fcntl
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,20 +58,22 @@ from typing import Any, Iterator
 
 logger = logging.getLogger(__name__)
 SENDER_THREAD = "mlflow-sender"
+CALL_THREAD = "mlflow-call"  # a command's MLflow work under a deadline (comlrl.tracking.call_with_deadline)
 
 
-class _QuietSenderRetries(logging.Filter):
-    """urllib3 logs every retry of a refused connection; from a sender thread those lines only
-    repeat the one warning that marks an outage."""
+class _QuietBackgroundRetries(logging.Filter):
+    """urllib3 logs every retry of a refused connection; from a sender or deadline thread those
+    lines only repeat the one message that marks an outage."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not threading.current_thread().name.startswith(SENDER_THREAD)
+        return not threading.current_thread().name.startswith((SENDER_THREAD, CALL_THREAD))
 
 
-logging.getLogger("urllib3.connectionpool").addFilter(_QuietSenderRetries())
+logging.getLogger("urllib3.connectionpool").addFilter(_QuietBackgroundRetries())
 
 SPOOL_FILE = "spool.jsonl"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 BATCHED = ("metrics", "params", "tags")
 LIMITS = {"metrics": 1000, "params": 100, "tags": 100}  # MLflow's log_batch limits, per call
 
@@ -64,6 +86,10 @@ class SpoolBusy(SpoolError):
     """Another process holds the spool's lock and is delivering it."""
 
 
+class SpoolDamaged(SpoolError):
+    """The spool's file or header cannot be read: nothing in it can be delivered."""
+
+
 def permanent_error(error: BaseException) -> bool:
     """A refusal by the tracking store (4xx but 429): resending the same record cannot succeed."""
     status = getattr(error, "get_http_status_code", None)
@@ -71,6 +97,94 @@ def permanent_error(error: BaseException) -> bool:
         return False
     code = status()
     return 400 <= code < 500 and code != 429
+
+
+# ----- one record, one line -----------------------------------------------------------------------
+_FRAME = re.compile(rb"#(\d{1,10}) ([0-9a-f]{8}) ")
+_RECORD_START = re.compile(rb'#\d|\{"')  # where a version-2 frame or a version-1 line begins
+_FRAME_END = re.compile(rb"#\d{1,10} [0-9a-f]{8} $")  # a frame's prefix, right before its JSON
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    """``#<length> <crc32> <json>\\n``; the JSON is ASCII and holds no newline (``json.dumps`` escapes them)."""
+    payload = json.dumps(record, separators=(",", ":"), allow_nan=True).encode()
+    return b"#%d %08x %s\n" % (len(payload), zlib.crc32(payload), payload)
+
+
+def decode_record(line: bytes, plain: bool = False) -> dict[str, Any] | None:
+    """The record ``line`` (without its newline) holds, or None when it is not exactly one whole,
+    well-formed record: a version-2 frame whose length and checksum match, or (``plain``: in a
+    version-1 spool) a version-1 JSON line."""
+    if line.startswith(b"#"):
+        frame = _FRAME.match(line)
+        if frame is None:
+            return None
+        payload = line[frame.end():]
+        if len(payload) != int(frame[1]) or zlib.crc32(payload) != int(frame[2], 16):
+            return None
+    elif plain and line.startswith(b"{"):
+        payload = line
+    else:
+        return None
+    try:
+        record = json.loads(payload)
+    except ValueError:
+        return None
+    return record if _well_formed(record) else None
+
+
+def _pairs(entries: Any) -> bool:
+    return isinstance(entries, list) and all(isinstance(e, list) and len(e) == 2 and isinstance(e[0], str)
+                                             for e in entries)
+
+
+def _well_formed(record: Any) -> bool:
+    if not isinstance(record, dict):
+        return False
+    if "metrics" in record:
+        entries = record["metrics"]
+        return isinstance(entries, list) and all(
+            isinstance(e, list) and len(e) == 4 and isinstance(e[0], str)
+            and all(isinstance(x, (int, float)) for x in e[1:]) for e in entries)
+    if "params" in record:
+        return _pairs(record["params"])
+    if "tags" in record:
+        return _pairs(record["tags"])
+    if "artifact" in record:
+        return isinstance(record["artifact"], str)
+    return isinstance(record.get("status"), str)
+
+
+def read_line(line: bytes, plain: bool = False) -> tuple[int, dict[str, Any] | None]:
+    """``(damaged, record)`` for one line without its newline: ``damaged`` leading bytes that hold
+    no record (0 for a whole record). A write cut short leaves its torn bytes in front of the next
+    record written, on the same line; that record is found after them. (``plain``: version-1
+    lines count, but never the JSON of a frame whose checksum failed.)"""
+    record = decode_record(line, plain)
+    if record is not None:
+        return 0, record
+    for start in _RECORD_START.finditer(line, 1):
+        if line[start.start()] != ord("#") and _FRAME_END.search(line, max(0, start.start() - 22), start.start()):
+            continue
+        record = decode_record(line[start.start():], plain)
+        if record is not None:
+            return start.start(), record
+    return len(line), None
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """Bytes of a spool file that hold no whole record, skipped by every reader."""
+
+    path: Path
+    offset: int
+    length: int
+    preview: bytes
+
+    def describe(self) -> str:
+        return (f"tracking spool {self.path}: skipped {self.length} bytes at byte offset {self.offset} that hold no "
+                f"whole record (a write cut short or a corrupted record; they start {self.preview!r}); "
+                f"the records after them are delivered")
 
 
 @dataclass
@@ -81,6 +195,7 @@ class DeliveryReport:
     metrics: int = 0
     artifacts: int = 0
     refused: list[str] = field(default_factory=list)
+    damaged: list[Damaged] = field(default_factory=list)
 
 
 class Spool:
@@ -97,12 +212,8 @@ class Spool:
         if not self.path.is_file():
             if identity is None:
                 raise SpoolError(f"no tracking spool in {self.directory} (expected {self.path})")
-            self.directory.mkdir(parents=True, exist_ok=True)
-            header = {"spool": VERSION, "run_id": identity["run_id"], "experiment_id": identity.get("experiment_id"),
-                      "tracking_uri": identity["tracking_uri"]}
-            self._write_lines([header], truncate=True)
-            self._write_acked(self.path.stat().st_size)
-        self.header = self._read_header()
+            self._create(identity)
+        self.header, self.header_end = self._read_header()
         if identity is not None and identity["run_id"] != self.header["run_id"]:
             raise SpoolError(f"{self.path} spools MLflow run {self.header['run_id']}, not {identity['run_id']}; "
                              f"give each MLflow run its own spool directory")
@@ -112,40 +223,44 @@ class Spool:
     # ----- bookkeeping ------------------------------------------------------------------------
     @property
     def pending_bytes(self) -> int:
-        return max(0, self.size - self.acked)  # the sender may read a line before append updates size
+        return max(0, self.size - self.acked)
 
-    def _read_header(self) -> dict[str, Any]:
-        with open(self.path, "rb") as handle:
-            first = handle.readline()
+    def _create(self, identity: dict[str, Any]) -> None:
+        """The header line, written whole (a staging file renamed) so that a spool is never headless."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        header = {"spool": VERSION, "run_id": identity["run_id"], "experiment_id": identity.get("experiment_id"),
+                  "tracking_uri": identity["tracking_uri"]}
+        staging = self.path.with_name(SPOOL_FILE + ".new")
+        with open(staging, "wb") as handle:
+            handle.write(json.dumps(header, separators=(",", ":")).encode() + b"\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(staging, self.path)
+        self._write_acked(self.path.stat().st_size)
+
+    def _read_header(self) -> tuple[dict[str, Any], int]:
+        try:
+            with open(self.path, "rb") as handle:
+                first = handle.readline()
+        except OSError as error:
+            raise SpoolDamaged(f"{self.path} cannot be read ({error}); nothing in it can be delivered") from None
         try:
             header = json.loads(first)
         except ValueError:
             header = None
-        if not (isinstance(header, dict) and header.get("spool") == VERSION and header.get("run_id")):
-            raise SpoolError(f"{self.path}: the first line is not a version-{VERSION} spool header "
-                             f"(got {first[:80]!r})")
-        return header
-
-    def _drop_partial_line(self) -> None:
-        with open(self.path, "rb+") as handle:
-            data_end = handle.seek(0, os.SEEK_END)
-            if data_end == 0:
-                return
-            handle.seek(data_end - 1)
-            if handle.read(1) == b"\n":
-                return
-            handle.seek(0)
-            complete = handle.read().rfind(b"\n") + 1
-            handle.truncate(complete)
-            logger.warning("%s: dropped an unfinished last line (%d bytes) left by a killed process",
-                           self.path, data_end - complete)
+        if not (isinstance(header, dict) and header.get("spool") in READABLE_VERSIONS and header.get("run_id")
+                and first.endswith(b"\n")):
+            raise SpoolDamaged(f"{self.path}: the first line is not a tracking spool header (versions "
+                               f"{', '.join(map(str, READABLE_VERSIONS))}; got {first[:80]!r}); the spool names no "
+                               f"MLflow run, so nothing in it can be delivered")
+        return header, len(first)
 
     def _read_acked(self) -> int:
         try:
             acked = int(self._acked_path.read_text().strip())
         except (FileNotFoundError, ValueError):
-            acked = len(self.path.read_bytes().split(b"\n", 1)[0]) + 1  # only the header
-        return min(acked, self.size)
+            acked = self.header_end
+        return min(max(acked, self.header_end), self.size)
 
     def _write_acked(self, offset: int) -> None:
         staging = self._acked_path.with_name("acked.tmp")
@@ -157,26 +272,51 @@ class Spool:
         self.acked = offset
 
     # ----- writing ----------------------------------------------------------------------------
-    def _write_lines(self, records: list[dict[str, Any]], truncate: bool = False) -> None:
-        data = b"".join(json.dumps(r, separators=(",", ":"), allow_nan=True).encode() + b"\n" for r in records)
-        with open(self.path, "wb" if truncate else "ab") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        self.size = self.path.stat().st_size
-
     def append(self, records: list[dict[str, Any]]) -> None:
-        """Write ``records`` (one ``fsync``); artifact records are copied into ``artifacts/`` first."""
+        """Write ``records`` whole, with one ``write`` and one ``fsync`` (artifact records are copied
+        into ``artifacts/`` first). On an ``OSError`` nothing of them stays in the spool: the file is
+        cut back to where it was, the copies removed, and the error raised for the caller to retry."""
         with self._write_lock:
-            lines = []
-            for record in records:
-                if "artifact_source" in record:
-                    record = self._copy_artifact(record)
-                    if record is None:
-                        continue
-                lines.extend(split_record(record))
-            if lines:
-                self._write_lines(lines)
+            frames, copies = [], []
+            try:
+                for record in records:
+                    if "artifact_source" in record:
+                        record = self._copy_artifact(record)
+                        if record is None:
+                            continue
+                        copies.append(self.directory / Path(record["artifact"]).parent)
+                    frames.extend(encode_record(line) for line in split_record(record))
+                if frames:
+                    self._write(b"".join(frames))
+            except OSError:
+                for copy in copies:
+                    shutil.rmtree(copy, ignore_errors=True)
+                raise
+
+    def _write(self, data: bytes) -> None:
+        descriptor = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            end = os.fstat(descriptor).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(descriptor, view):]
+                os.fsync(descriptor)
+            except OSError:
+                self._cut_back(descriptor, end)
+                raise
+            self.size = end + len(data)
+        finally:
+            os.close(descriptor)
+
+    def _cut_back(self, descriptor: int, end: int) -> None:
+        try:
+            os.ftruncate(descriptor, end)
+        except OSError as error:  # readers stop at `size` = end, and skip these bytes once records follow
+            written = os.fstat(descriptor).st_size - end
+            logger.error("tracking spool %s: a failed write left %d bytes at byte offset %d that could not be "
+                         "removed (%s); readers skip them", self.path, written, end, error)
+        self.size = end
 
     def _copy_artifact(self, record: dict[str, Any]) -> dict[str, Any] | None:
         source = Path(record["artifact_source"])
@@ -188,23 +328,52 @@ class Spool:
         slot = store / f"{sum(1 for _ in store.iterdir()):06d}"
         target = slot / source.name
         slot.mkdir()
-        if source.is_dir():
-            shutil.copytree(source, target)
-        else:
-            shutil.copy2(source, target)
+        try:
+            if source.is_dir():
+                shutil.copytree(source, target)
+            else:
+                shutil.copy2(source, target)
+        except OSError:
+            shutil.rmtree(slot, ignore_errors=True)
+            raise
         return {"artifact": str(target.relative_to(self.directory)), "artifact_path": record.get("artifact_path")}
 
     # ----- reading and delivering -------------------------------------------------------------
-    def pending(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """``(end offset, record)`` for every complete record after ``acked``."""
+    def entries(self, start: int | None = None) -> Iterator[tuple[int, dict[str, Any] | Damaged]]:
+        """``(end offset, record)`` for every whole record from ``start`` (default ``acked``) up to
+        :attr:`size` (what this process's writes have made durable), and ``(end offset, Damaged)``
+        for the bytes between them that hold none; an unfinished last line (being written, or cut
+        short by a killed process) ends the iteration."""
+        offset = self.acked if start is None else start
+        plain = self.header["spool"] == 1
         with open(self.path, "rb") as handle:
-            handle.seek(self.acked)
-            offset = self.acked
+            handle.seek(offset)
             for line in handle:
-                if not line.endswith(b"\n"):
-                    return  # being written
+                if not line.endswith(b"\n") or offset + len(line) > self.size:
+                    return
+                damaged, record = read_line(line[:-1], plain)
+                if record is None:
+                    damaged = len(line)
+                if damaged:
+                    yield offset + damaged, Damaged(self.path, offset, damaged, line[:min(damaged, 40)])
                 offset += len(line)
-                yield offset, json.loads(line)
+                if record is not None:
+                    yield offset, record
+
+    def pending(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """``(end offset, record)`` for every whole record after ``acked``."""
+        return ((end, record) for end, record in self.entries() if not isinstance(record, Damaged))
+
+    def logged_steps(self) -> dict[str, int]:
+        """The highest step of every metric key in the whole spool (delivered or not)."""
+        steps: dict[str, int] = {}
+        for _, record in self.entries(self.header_end):
+            if isinstance(record, Damaged):
+                continue
+            for key, _, _, step in record.get("metrics", ()):
+                if key not in steps or step > steps[key]:
+                    steps[key] = int(step)
+        return steps
 
     def deliver(self, client: Any) -> DeliveryReport:
         """Send every pending record to the run through ``client`` (an ``MlflowClient``); raises
@@ -212,7 +381,8 @@ class Spool:
 
         Consecutive records of one kind (metrics, params or tags) go in one ``log_batch`` call
         within MLflow's limits; when the store refuses such a call, its records are sent one by
-        one so that only the refused ones are skipped.
+        one so that only the refused ones are skipped. Damaged bytes are skipped with a warning
+        (once: ``acked`` moves past them).
         """
         report = DeliveryReport()
         kind, batch, batch_end = None, [], self.acked  # the records of the call being gathered
@@ -228,7 +398,15 @@ class Spool:
                 self._write_acked(batch_end)
             batch.clear()
 
-        for end, record in self.pending():
+        for end, record in self.entries():
+            if isinstance(record, Damaged):
+                send_batch()
+                kind = None
+                logger.warning(record.describe())
+                report.damaged.append(record)
+                self._write_acked(end)
+                batch_end = end
+                continue
             report.records += 1
             record_kind = next((k for k in BATCHED if k in record), None)
             if record_kind is not None:
@@ -299,9 +477,26 @@ class Spool:
         handle.write(f"process {os.getpid()}\n")
         handle.flush()
         self._lock_file = handle
-        self._drop_partial_line()
+        self._drop_unfinished_line()
         self.size = self.path.stat().st_size
         self.acked = min(self.acked, self.size)
+
+    def _drop_unfinished_line(self) -> None:
+        with open(self.path, "rb+") as handle:
+            end = position = handle.seek(0, os.SEEK_END)
+            complete = self.header_end
+            while position > self.header_end:  # back to the last newline, a block at a time
+                start = max(self.header_end, position - 65536)
+                handle.seek(start)
+                newline = handle.read(position - start).rfind(b"\n")
+                if newline >= 0:
+                    complete = start + newline + 1
+                    break
+                position = start
+            if complete < end:
+                handle.truncate(complete)
+                logger.warning("tracking spool %s: dropped an unfinished last line (%d bytes at byte offset %d) left "
+                               "by a killed process or a failed write", self.path, end - complete, complete)
 
     def unlock(self) -> None:
         if self._lock_file is not None:
@@ -333,10 +528,10 @@ def mlflow_client(tracking_uri: str) -> Any:
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def replay(directory: str | Path, tracking_uri: str | None = None) -> tuple[Spool, DeliveryReport]:
+def replay(directory: str | Path | Spool, tracking_uri: str | None = None) -> tuple[Spool, DeliveryReport]:
     """Deliver what the spool in ``directory`` still holds to its run (at ``tracking_uri``, default
     the one the spool recorded). Raises the transport error if the server is still down."""
-    spool = Spool(directory)
+    spool = directory if isinstance(directory, Spool) else Spool(directory)
     spool.lock()
     try:
         return spool, spool.deliver(mlflow_client(tracking_uri or spool.header["tracking_uri"]))
@@ -347,10 +542,11 @@ def replay(directory: str | Path, tracking_uri: str | None = None) -> tuple[Spoo
 class Sender:
     """Delivers a :class:`Spool` from a background thread while training goes on.
 
-    :meth:`put` only appends to a deque. Every ``interval`` seconds (sooner after :meth:`wake`)
-    the thread writes what was put to the spool and, when a retry is due, delivers the spool.
-    After a failed delivery it waits ``retry_interval`` seconds, doubling up to
-    ``max_retry_interval``; one warning marks the outage and one line its end.
+    :meth:`put` queues a record and :meth:`write_queued` writes the queue to the spool; a record
+    whose write failed stays queued, and the thread writes it again. Every ``interval`` seconds
+    (sooner after :meth:`wake`) the thread delivers the spool when a retry is due. After a failed
+    delivery it waits ``retry_interval`` seconds, doubling up to ``max_retry_interval``; one
+    warning marks the outage and one line its end.
     """
 
     def __init__(self, spool: Spool, tracking_uri: str | None = None, interval: float = 0.5,
@@ -362,7 +558,9 @@ class Sender:
         self.max_retry_interval = max_retry_interval
         self.failures = 0  # failed deliveries in the current outage
         self.last_error: BaseException | None = None
+        self.write_error: OSError | None = None  # the spool write failing now, if any
         self.refused: list[str] = []
+        self.damaged: list[Damaged] = []
         self._queue: deque[dict[str, Any]] = deque()
         self._wake = threading.Event()
         self._progress = threading.Condition()
@@ -376,29 +574,46 @@ class Sender:
         self._thread.start()
 
     def put(self, record: dict[str, Any]) -> None:
-        """Queue one record; the training loop's whole cost of a send."""
+        """Queue one record (for :meth:`write_queued`)."""
         self._queue.append(record)
 
     def wake(self) -> None:
         self._wake.set()
 
     @property
+    def unwritten(self) -> int:
+        """Records put but not in the spool file (its last write failed)."""
+        return len(self._queue)
+
+    @property
     def delivered(self) -> bool:
         """Everything put so far is acknowledged by the store."""
         return not self._queue and self.spool.pending_bytes == 0
 
-    def spool_queued(self) -> None:
-        """Move what was put into the spool file (thread-safe; also used once the thread stopped)."""
+    def write_queued(self) -> bool:
+        """Write what was put into the spool file, whole and in order (thread-safe; also once the
+        thread stopped); whether it was written. On a failed write the records stay queued: one
+        error marks a failing spool write and one line its end."""
         with self._spool_lock:  # one writer at a time keeps the records in the order they were put
             records = []
             while self._queue:
                 records.append(self._queue.popleft())
-            if records:
-                try:
-                    self.spool.append(records)
-                except OSError:
-                    self._queue.extendleft(reversed(records))  # kept for the next try
-                    raise
+            if not records:
+                return True
+            try:
+                self.spool.append(records)
+            except OSError as error:
+                self._queue.extendleft(reversed(records))  # kept whole for the next try
+                if self.write_error is None:
+                    logger.error("cannot write the tracking spool %s (%s); %d records wait in memory and are written "
+                                 "whole once the disk takes them", self.spool.path, error, len(self._queue))
+                self.write_error = error
+                return False
+            if self.write_error is not None:
+                logger.warning("tracking spool %s written again after failed writes; no record was lost or torn",
+                               self.spool.path)
+                self.write_error = None
+            return True
 
     def _run(self) -> None:
         client, delay, next_try = None, self.retry_interval, 0.0
@@ -406,15 +621,13 @@ class Sender:
             self._wake.wait(self.interval)
             self._wake.clear()
             stopping = self._stopping
-            try:
-                self.spool_queued()
-            except OSError as error:  # a full disk must not kill the thread; the deque keeps the records
-                logger.error("cannot write the tracking spool %s: %s", self.spool.path, error)
+            self.write_queued()  # what a failed write left queued
             if self.spool.pending_bytes and time.monotonic() >= next_try and not stopping:
                 try:
                     client = client or mlflow_client(self.tracking_uri)
                     report = self.spool.deliver(client)
                     self.refused += report.refused
+                    self.damaged += report.damaged
                     if self.failures:
                         logger.warning("MLflow at %s reachable again after %d failed deliveries; the spooled "
                                        "records were delivered", self.tracking_uri, self.failures)
@@ -454,9 +667,9 @@ class Sender:
         return self.delivered
 
     def stop(self, join_timeout: float = 1.0) -> None:
-        """Stop the thread; whatever was put is in the spool file afterwards."""
+        """Stop the thread; whatever was put is in the spool file afterwards (unless the disk refuses it)."""
         self._stopping = True
         self.wake()
         self._thread.join(join_timeout)
-        self.spool_queued()  # the thread may still be in a request: spool the rest from here
+        self.write_queued()  # the thread may still be in a request: spool the rest from here
         self._end("stop")  # releases the spool now, or when that request returns

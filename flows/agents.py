@@ -29,7 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.futures import wait
 
-from comlrl.parallel.placement import private_tokenizers
+from comlrl.trainers.epochs import current_activity
 from flows.spec import ExecutionSpec
 
 
@@ -62,8 +62,9 @@ _PENDING = process_table("pending")
 # only the key, so the trainer holds no started runner (a client, locks).
 _RUNNERS = process_table("runners")
 
-# Where the trainer is (``rollout-b2-s3``: stage, boundary, step), set by the flow's step tasks: the
-# agent_work task runs are named after it, as the stage tasks of one step used to be.
+# Where the flow is (``b2``: the boundary), set by its tasks; with the trainer's own activity
+# (comlrl.trainers.epochs.current_activity: ``rollout-s3``) it names the agent_work task runs
+# (``agent_work-rollout-b2-s3-agent0``).
 _STAGE_LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("comlrl_stage_label", default=None)
 
 
@@ -109,7 +110,9 @@ def run_agents_as_tasks(function: Callable[[int], Any], devices: Sequence[torch.
                            "outside a flow use comlrl.parallel.placement.map_by_device (the trainers' default agent_map)")
     runner = _RUNNERS[task_runner_key] if task_runner_key is not None else context.task_runner
     parent = TaskRunContext.get()
-    label = _STAGE_LABEL.get() or (parent.task_run.name if parent is not None else "flow")
+    where = _STAGE_LABEL.get() or (parent.task_run.name if parent is not None else "flow")
+    doing = current_activity()  # the trainer's stage and step (rollout-s2) or evaluate
+    label = where if doing is None else "-".join([doing.split("-s")[0], where, *doing.split("-")[1:]])
 
     def on_device(agent: int) -> Any:  # a worker thread starts on the default CUDA device
         device = devices[agent]
@@ -163,9 +166,7 @@ def install(trainer: Any) -> None:
     if not isinstance(runner, _dask_task_runner_class()):
         raise RuntimeError(f"the spec sets execution.task_runner 'dask' but this flow run uses {type(runner).__name__}; "
                            "start it with flows.training.training_flow(spec), as `comlrl run` does")
-    # A preference run's agents, and their map, belong to its policy trainer (it collects with them too).
-    target = getattr(trainer, "policy_trainer", trainer)
     key = uuid.uuid4().hex
     _RUNNERS[key] = runner
-    target.agent_map = functools.partial(run_agents_as_tasks, task_runner_key=key)
-    target.tokenizers = private_tokenizers(target.tokenizers)  # fast tokenizers are not thread-safe
+    # Fast tokenizers are not thread-safe: each agent gets its own copies.
+    trainer.run_agents_with(functools.partial(run_agents_as_tasks, task_runner_key=key), private_tokenizers=True)

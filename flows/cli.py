@@ -23,12 +23,18 @@ from pathlib import Path
 EXIT_TRACKING_UNREACHABLE = 75  # sysexits' EX_TEMPFAIL: try again once the MLflow server answers
 
 
-def _configure(workdir: str) -> None:
+def _configure(workdir: str, orchestrate: bool = True) -> None:
+    """The embedded default's settings; with ``orchestrate`` and no ``PREFECT_API_URL``, its Prefect server
+    (:mod:`flows.embedded`, in a process group of its own). Call before Prefect is imported."""
     from flows.orchestrator import bound_client_waits
     from flows.runs import configure_embedded_default
 
     configure_embedded_default(workdir)
     bound_client_waits()  # before Prefect is imported: it reads its settings then
+    if orchestrate and not os.environ.get("PREFECT_API_URL"):
+        from flows import embedded
+
+        embedded.start(float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")))
 
 
 def _load_spec(spec: str, root: str):
@@ -50,7 +56,7 @@ def _where_to_look(workdir: str) -> None:
         print(f"  MLflow UI:   mlflow ui --backend-store-uri {uri} --default-artifact-root {artifacts} --host 127.0.0.1")
     else:
         print(f"  MLflow:      {uri}")
-    if os.environ.get("PREFECT_API_URL"):
+    if os.environ.get("PREFECT_API_URL") and not os.environ.get("COMLRL_EMBEDDED_PREFECT"):
         print(f"  Prefect:     {os.environ['PREFECT_API_URL'].removesuffix('/api')}")
     else:
         print(f"  Prefect UI:  PREFECT_HOME={os.environ.get('PREFECT_HOME')} prefect server start --host 127.0.0.1")
@@ -62,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
     if (spec := _load_spec(args.spec, root)) is None:
         return 2
     _configure(args.workdir)
-    from comlrl.tracking import TrackingUnavailable
     from flows.orchestrator import exit_if_unreachable
     from flows.runs import default_run_id
     from flows.training import training_flow
@@ -70,19 +75,40 @@ def run(args: argparse.Namespace) -> int:
     # For messages only: with --init-from the flow derives the default run id from the pinned spec.
     run_id = args.run_id or ("RUN_ID" if args.init_from else default_run_id(spec))
     try:
-        result = training_flow(spec)(spec_path=str(Path(args.spec).resolve()), run_id=args.run_id,
-                                     workdir=args.workdir, root=root, init_from_alias=args.init_from)
+        state = training_flow(spec)(spec_path=str(Path(args.spec).resolve()), run_id=args.run_id,
+                                    workdir=args.workdir, root=root, init_from_alias=args.init_from,
+                                    return_state=True)
+    except KeyboardInterrupt:  # a second stop signal: the step in progress is lost, earlier checkpoints are not
+        print(f"\ncomlrl: interrupted twice; continue from the newest checkpoint with:  comlrl resume {run_id} "
+              f"--workdir {args.workdir}", file=sys.stderr)
+        return 130
     except Exception as error:
         exit_if_unreachable(run_id, args.workdir, error)  # ends the process (69) when Prefect is down
-        if isinstance(error, TrackingUnavailable):
-            print(f"\ncomlrl: {error}\nThen register the agents with:  comlrl resume {run_id} --workdir {args.workdir}",
-                  file=sys.stderr)
-            return EXIT_TRACKING_UNREACHABLE
         raise
     exit_if_unreachable(run_id, args.workdir)
-    print(json.dumps(result, indent=2))
-    _where_to_look(args.workdir)
-    return 0
+    return report(state, run_id, args.workdir)
+
+
+def report(state, run_id: str, workdir: str) -> int:
+    """Print how the flow run ended (one line unless it completed) and return the exit status."""
+    from comlrl.tracking import TrackingUnavailable
+
+    if state.is_completed():
+        print(json.dumps(state.result(), indent=2))
+        _where_to_look(workdir)
+        return 0
+    outcome = state.result(raise_on_failure=False)
+    if isinstance(outcome, TrackingUnavailable):
+        print(f"\ncomlrl: {outcome}\nThen register the agents with:  comlrl resume {run_id} --workdir {workdir}",
+              file=sys.stderr)
+        return EXIT_TRACKING_UNREACHABLE
+    if isinstance(outcome, dict) and "exit_status" in outcome:  # a stop: a signal, or the non-finite guard
+        print(f"\ncomlrl: {state.message}", file=sys.stderr)
+        return outcome["exit_status"] or 1
+    cause = f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, BaseException) else state.message
+    print(f"\ncomlrl: run {run_id} failed ({cause}). Completed work is in its checkpoints; after fixing the cause, "
+          f"continue with:  comlrl resume {run_id} --workdir {workdir}", file=sys.stderr)
+    return 1
 
 
 def resume(args: argparse.Namespace) -> int:
@@ -101,7 +127,7 @@ def serve(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
     if _load_spec(args.spec, root) is None:
         return 2
-    _configure(args.workdir)
+    _configure(args.workdir, orchestrate=False)
     if not os.environ.get("PREFECT_API_URL"):
         print("comlrl serve needs a Prefect server: start one (bash infra/servers.sh start) and set PREFECT_API_URL",
               file=sys.stderr)
@@ -114,15 +140,28 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def promote(args: argparse.Namespace) -> int:
-    _configure(args.workdir)
+    """Exit status 2 when a model or alias is missing or the gate kept the candidate out; 75 when MLflow
+    does not answer within COMLRL_MLFLOW_DEADLINE seconds (default 60), each call bounded as well
+    (comlrl.tracking.HTTP_BOUNDS unless the environment sets MLflow's MLFLOW_HTTP_REQUEST_* itself)."""
+    _configure(args.workdir, orchestrate=False)
+    from comlrl import tracking
     from flows import gate
 
     uri = os.environ["MLFLOW_TRACKING_URI"]
+    tracking.bound_http_retries()
     try:
-        moved = gate.promote(uri, args.model, args.from_alias, args.to_alias, force=args.force)
+        moved = tracking.call_with_deadline(
+            lambda: gate.promote(uri, args.model, args.from_alias, args.to_alias, force=args.force), f"MLflow at {uri}")
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
+    except Exception as error:
+        if not tracking.unreachable(error):
+            raise
+        print(f"comlrl promote: MLflow unreachable ({str(error)[:300]}). If it stopped answering while the aliases "
+              f"were being moved, some may have moved: run this again once it answers (it moves them to the same "
+              f"versions)", file=sys.stderr)
+        return EXIT_TRACKING_UNREACHABLE
     for entry in moved:
         print(f"{entry['name']}: {args.to_alias} -> version {entry['version']} (was {entry['previous']})")
     return 0
@@ -137,34 +176,26 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def sync(args: argparse.Namespace) -> int:
-    """Replay tracking spools left by an MLflow outage into their runs."""
+    """Replay tracking spools left by an MLflow outage into their runs.
+
+    Exit status, the worst over the spools (comlrl.tracking.sync): 0 all delivered; 2 bad input (no
+    spool, another run's, one in use); 65 a spool is unreadable, or damaged bytes in it were skipped
+    while everything readable was delivered (running again cannot bring them back); 75 MLflow did not
+    acknowledge anything for COMLRL_MLFLOW_DEADLINE seconds (default 60): nothing lost, run this again.
+    """
     from comlrl import tracking, tracking_spool
 
-    tracking.bound_http_retries()
     try:
-        spools = tracking_spool.find_spools(args.path)
-    except tracking_spool.SpoolError as error:
+        results = tracking.sync(args.path, args.tracking_uri)
+    except (tracking_spool.SpoolError, ValueError) as error:
         print(error, file=sys.stderr)
         return 2
-    if not spools:
+    if not results:
         print(f"no tracking spool (spool.jsonl) under {args.path}", file=sys.stderr)
         return 2
-    status = 0
-    for directory in spools:
-        try:
-            spool, report = tracking_spool.replay(directory, args.tracking_uri)
-        except tracking_spool.SpoolError as error:
-            print(error, file=sys.stderr)
-            status = max(status, 2)
-        except Exception as error:  # the server still does not answer: nothing lost, try again later
-            print(f"{directory}: MLflow unreachable ({str(error)[:200]}); nothing was lost, run this again later",
-                  file=sys.stderr)
-            status = EXIT_TRACKING_UNREACHABLE
-        else:
-            refused = f"; refused by MLflow and skipped: {report.refused}" if report.refused else ""
-            print(f"{directory}: delivered {report.records} records ({report.metrics} metric values, "
-                  f"{report.artifacts} artifacts) to MLflow run {spool.header['run_id']}{refused}")
-    return status
+    for result in results:
+        print(result.message, file=sys.stdout if result.exit_status == 0 else sys.stderr)
+    return max(result.exit_status for result in results)
 
 
 def build_parser() -> argparse.ArgumentParser:

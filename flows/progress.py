@@ -21,13 +21,6 @@ from comlrl.callbacks import TrainerCallback
 logger = logging.getLogger("flows.progress")
 
 
-def planned_steps(trainer: Any) -> int:
-    """Training steps of the whole run: epochs x batches, for every PbRL iteration's policy stage."""
-    policy = getattr(trainer, "policy_trainer", trainer)
-    iterations = getattr(trainer, "num_iterations", 1) if policy is not trainer else 1
-    return int(policy.args.num_train_epochs * policy.batches_per_epoch() * iterations)
-
-
 def emit(kind: str, message: str, **fields: Any) -> None:
     """A ``flows.progress`` record (``kind``: ``start``, ``step``, ``boundary``, ``gate``)."""
     level = logging.DEBUG if kind == "step" else logging.INFO

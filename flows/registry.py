@@ -31,11 +31,6 @@ def team_model_name(base: str) -> str:
     return f"{base}-team"
 
 
-def policy_of(trainer: Any) -> Any:
-    """The trainer that owns the agents (a preference run's policy trainer)."""
-    return getattr(trainer, "policy_trainer", trainer)
-
-
 def example_prompts(trainer: Any, count: int = 2) -> list[str]:
     """Prompts of the eval set (else the train set) for input examples."""
     dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
@@ -44,8 +39,7 @@ def example_prompts(trainer: Any, count: int = 2) -> list[str]:
 
 
 def team_settings(trainer: Any, spec: RunSpec) -> TeamSettings:
-    policy = policy_of(trainer)
-    return TeamSettings.from_rollout(policy.rollout_spec, policy.num_agents, policy.dtype, spec.formatters,
+    return TeamSettings.from_rollout(trainer.rollout_spec, trainer.num_agents, trainer.dtype, spec.formatters,
                                      spec.transition)
 
 
@@ -87,10 +81,9 @@ def register_team(identity: dict[str, Any], trainer: Any, spec: RunSpec, tags: d
 def register_agents(identity: dict[str, Any], trainer: Any, spec: RunSpec, tags: dict[str, str],
                     alias: str) -> list[dict[str, str]]:
     """Every agent as its own text-generation model (``NAME-agent-<i>``), with an input example."""
-    policy = policy_of(trainer)
-    return tracking.register_agents(identity, policy.agents, policy.tokenizers, spec.registered_name, tags, alias,
+    return tracking.register_agents(identity, trainer.agents, trainer.tokenizers, spec.registered_name, tags, alias,
                                     input_example=example_prompts(trainer, 1)[0],
-                                    signature=agent_signature(policy.args.max_new_tokens))
+                                    signature=agent_signature(trainer.args.max_new_tokens))
 
 
 def agent_signature(max_new_tokens: int) -> Any:

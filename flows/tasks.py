@@ -1,10 +1,10 @@
 """Prefect tasks: each a thin, named wrapper over public functions of comlrl/ or flows/.
 
-Tasks that hand over in-memory objects (the trainer, a rollout) neither persist results nor
-cache: what makes a re-run skip completed work is the boundary transaction in
-:mod:`flows.training`, whose committed record holds the checkpoint path. Arguments are wrapped
-in ``quote`` by the flow so Prefect does not walk tensors looking for futures. The flow names
-each task run after where it is (``epoch 2 · steps 1–8: rollout, score, ...``, :mod:`flows.boundaries`).
+Tasks that hand over in-memory objects (the trainer, its training run) neither persist results
+nor cache: what makes a re-run skip completed work is the run's checkpoints (the library resumes
+from the newest). Arguments are wrapped in ``quote`` by the flow so Prefect does not walk tensors
+looking for futures. The flow names each task run after where it is (``epoch 2 · steps 1–8:
+rollout, score, ...``, :mod:`flows.boundaries`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from comlrl import tracking
-from comlrl.training.metrics import MetricWindow
 from comlrl.utils import read_checkpoint_metadata
 from flows import agents, build, gate as gates, registry, spec as specs
 
@@ -57,37 +56,37 @@ def load_entities(spec: specs.RunSpec, root: str, workdir: str, callbacks: list[
 
 
 @memory_task
-def begin_training(trainer: Any, checkpoint_dir: str, resume_from: str | None, keep: int | None) -> Any:
-    """Seed (fresh run) or restore ``resume_from``; returns the checkpoint runner."""
-    return trainer.begin_training(checkpoint_dir=checkpoint_dir, resume_from_checkpoint=resume_from,
-                                  save_total_limit=keep)
+def start_run(trainer: Any, checkpoint_dir: str, resume_from: str | None, keep: int | None) -> Any:
+    """Seed (fresh run) or restore ``resume_from``; the library's :class:`~comlrl.training.run.TrainingRun`."""
+    return trainer.start_run(checkpoint_dir=checkpoint_dir, resume_from_checkpoint=resume_from,
+                             save_total_limit=keep)
 
 
 @memory_task
-def run_steps(trainer: Any, batches: list[list[dict[str, Any]]], window: MetricWindow, boundary: int,
-              first_step: int, end_epoch: bool) -> None:
-    """Training steps ``first_step``.. of the epoch (``batches``: their rows), each running the trainer's
-    ``step_stages`` (rollout, score, advantages, update, ...) and ``record_step``; ``end_epoch`` closes
-    the epoch after the last one. Stage timings are step metrics (``generation_time``, ...), not task runs."""
-    for step, rows in enumerate(batches, start=first_step):
-        if not trainer.step_stages:  # trainers without declared stages: the whole step at once
-            with agents.stage_label(f"train_step-b{boundary}-s{step}"):
-                trainer.record_step(trainer.train_step(rows), window)
-            continue
-        values = trainer.begin_step(rows)
-        for stage in trainer.step_stages:
-            with agents.stage_label(f"{stage.method}-b{boundary}-s{step}"):
-                trainer.run_stage(stage, values)
-        trainer.record_step(trainer.step_metrics(values), window)
-    if end_epoch:
-        trainer.end_epoch()
+def run_steps(run: Any, count: int, label: str) -> int:
+    """``count`` steps of the current epoch (each the trainer's ``step_stages``: rollout, score, advantages,
+    update, ...); stage timings are step metrics (``generation_time``, ...), not task runs."""
+    with agents.stage_label(label):
+        return run.run_steps(count)
 
 
 @memory_task
-def run_pbrl_stage(trainer: Any, boundary: int) -> dict[str, float]:
-    """The next PbRL stage (preference collection, reward-model fit or policy update)."""
-    with agents.stage_label(f"pbrl_stage-b{boundary}"):
-        return trainer.run_next_stage()
+def close_boundary(run: Any, label: str) -> dict[str, float] | None:
+    """The end of the current boundary: a whole PbRL stage (preference collection, reward-model fit, policy
+    update), or an epoch's end."""
+    with agents.stage_label(label):
+        return run.close_boundary()
+
+
+@memory_task
+def save_boundary(run: Any, metrics: dict[str, float] | None) -> Any:
+    """The boundary's checkpoint; its report (checkpoint path, metrics, evaluations)."""
+    return run.save_boundary(metrics)
+
+
+@memory_task
+def finish_training(run: Any) -> None:
+    run.finish()
 
 
 @memory_task
@@ -97,17 +96,6 @@ def evaluate(trainer: Any, label: str) -> dict[str, float]:
         return {}
     with agents.stage_label(label):
         return trainer.evaluate()
-
-
-@memory_task
-def save_checkpoint(runner: Any) -> str:
-    """Write ``checkpoint-N`` for the boundary just completed; its path goes in the boundary's record."""
-    return str(runner.save())
-
-
-@memory_task
-def end_training(trainer: Any, runner: Any) -> None:
-    trainer.end_training(runner)
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="plot reward and eval curves")
@@ -124,12 +112,9 @@ def log_artifacts(identity: dict[str, Any], files: list[tuple[str, str | None]])
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="save preference pairs")
-def save_preference_pairs(trainer: Any, path: str) -> str | None:
+def save_preference_pairs(pairs: Any, path: str) -> str:
     from comlrl.rollout import preferences
 
-    pairs = getattr(trainer, "preference_pairs", None)
-    if pairs is None or len(pairs) == 0:
-        return None
     preferences.save_pairs(pairs, Path(path))
     return path
 

@@ -1,15 +1,21 @@
 """The training flow: a run spec in, checkpoints, an MLflow run, a gated registry and Prefect artifacts out.
 
-Reads as a table of contents: validate the spec; for every boundary (epoch or PbRL stage) a
-Prefect transaction keyed by run and boundary, inside it one **subflow** named after the boundary
-("epoch 2 of 3") whose tasks are the boundary's steps in chunks (``execution.steps_per_task``,
-default all), its evaluation and its checkpoint; the committed record is the checkpoint path and
-the boundary's row (reward, eval reward, loss, KL). Then the curves, the spec and checkpoint
-metadata go to MLflow, the agents and the team model are registered as candidates, and the
-champion/challenger gate (:mod:`flows.gate`) decides about ``champion``. A re-run of the same run
-finds the committed boundaries, skips them without executing a task, restores the last checkpoint
-and continues — see docs/pipeline.md ("Resume"). With ``execution.task_runner: dask`` each agent's
-share of a stage also runs as its own task on Dask (:mod:`flows.agents`).
+Reads as a table of contents: validate the spec; start the library's training run
+(:class:`comlrl.training.run.TrainingRun`: seeded, or restored from the run's newest checkpoint);
+for every boundary (epoch or PbRL stage) one **subflow** named after it ("epoch 2 of 3") whose
+tasks are the boundary's steps in chunks (``execution.steps_per_task``, default all) and its
+end and checkpoint — each task one call of the run's public API, so stop signals, failures,
+evaluation cadence and checkpoints behave exactly as in ``trainer.train()``. Each finished
+boundary adds a row to ``boundaries.jsonl`` in the run directory and to the table artifact. Then
+the curves, the spec and checkpoint metadata go to MLflow, the agents and the team model are
+registered as candidates, and the champion/challenger gate (:mod:`flows.gate`) decides about
+``champion``. A re-run of the same run id restores the newest checkpoint and continues (see
+docs/pipeline.md, "Resume"). With ``execution.task_runner: dask`` each agent's share of a stage
+also runs as its own task on Dask (:mod:`flows.agents`).
+
+A stop signal (SIGTERM/SIGINT) ends the step in progress, writes ``checkpoint-N-stepS``, marks
+the MLflow run KILLED and ends the flow run Cancelled with a message naming the checkpoint; an
+exception marks the MLflow run FAILED after checkpointing the last completed step when it can.
 
 Boundary subflows send no Prefect heartbeats of their own: the parent flow run's heartbeat covers
 the process, and a subflow's heartbeat thread costs up to a second at its exit.
@@ -20,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,15 +33,15 @@ from typing import Any
 from prefect import Flow, flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL, PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
-from prefect.states import Completed, Failed, State
-from prefect.transactions import transaction
+from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled, Completed, Failed, State
 from prefect.utilities.annotations import quote
 
 from comlrl import tracking
-from comlrl.training.metrics import MetricWindow
+from comlrl.errors import TrainingInterrupted
+from comlrl.training.loop import Boundary
 from flows import agents, artifacts, boundaries, orchestrator, tasks
-from flows.boundaries import Boundary
-from flows.progress import ProgressArtifact, StepProgress, emit, planned_steps
+from flows.progress import ProgressArtifact, StepProgress, emit
 from flows.registry import team_model_name
 from flows.runs import RunPaths, claim_run, default_tracking_uri, prepare_run
 from flows.spec import RunSpec, spec_hash
@@ -53,15 +58,6 @@ SEND_INTERVAL = 2.0
 PROGRESS_INTERVAL = 2.0
 
 
-def boundary_key(run_id: str, boundary: int) -> str:
-    """The transaction (result-record) key of a run's boundary ``boundary`` (1-based)."""
-    return f"comlrl-{run_id}-boundary-{boundary}"
-
-
-def total_boundaries(spec: RunSpec) -> int:
-    return len(boundaries.plan(spec))
-
-
 def run_tags(spec: RunSpec, run: RunPaths) -> dict[str, str]:
     return {tracking.RUN_KEY_TAG: run.run_id, "comlrl.algorithm": spec.algorithm, "comlrl.spec_hash": spec_hash(spec)}
 
@@ -71,25 +67,24 @@ class Session:
     """What the flow holds once training has begun in this flow run."""
 
     trainer: Any
-    runner: Any
+    run: Any  # comlrl.training.run.TrainingRun
     identity: dict[str, Any]
     callback: tracking.MLflowCallback
     progress: StepProgress
     spec: RunSpec
-    run_id: str
-    plan: list[Boundary]
+    paths: RunPaths
     records: list[dict[str, Any]]
     publisher: artifacts.BackgroundPublisher
-    window: MetricWindow = field(default_factory=MetricWindow)
     last_task_run: Any = None  # the id of the task run that ran last (see boundary_in_subflow)
     subflows: bool = True  # False once the Prefect API could not start a boundary subflow
     started: set[int] = field(default_factory=set)  # boundaries whose work began in this process
     finished: dict[int, dict[str, Any]] = field(default_factory=dict)  # ... and the records of those done
 
 
-def start(spec: RunSpec, run: RunPaths, resume_from: str | None, root: str, tracking_uri: str,
-          plan: list[Boundary], records: list[dict[str, Any]], progress_artifact: ProgressArtifact | None,
-          publisher: artifacts.BackgroundPublisher) -> Session:
+def start(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, records: list[dict[str, Any]],
+          progress_artifact: ProgressArtifact | None, publisher: artifacts.BackgroundPublisher) -> Session:
+    """Open the MLflow run, build the trainer, and start (or resume) its training run."""
+    resume_from = latest_checkpoint(run)
     identity = tasks.open_tracking(tracking_uri, spec.name, run.run_id, resume_from, str(run.artifact_root),
                                    run_tags(spec, run))
     tasks.log_params(identity, {"spec": spec.model_dump(mode="json"), "run_id": run.run_id})
@@ -98,16 +93,28 @@ def start(spec: RunSpec, run: RunPaths, resume_from: str | None, root: str, trac
     callback.set_tags({**run_tags(spec, run), **prefect_tags()})
     progress = StepProgress(1, progress_artifact)
     trainer = tasks.load_entities(spec, root, str(run.workdir), [callback, progress], tracking_uri)
-    progress.total = max(planned_steps(trainer), 1)
+    progress.total = max(trainer.planned_training_steps(), 1)
     trainer.run_identity["mlflow"] = identity
     if spec.execution.task_runner == "dask":  # each agent's generation and backward pass: a task on Dask
         agents.install(trainer)
-    began = tasks.begin_training.with_options(task_run_name=f"restore {Path(resume_from).name}" if resume_from
-                                              else "begin training")(quote(trainer), str(run.checkpoints), resume_from,
-                                                                     spec.checkpoint.keep, return_state=True)
+    name = f"restore {Path(resume_from).name}" if resume_from else "begin training"
+    began = tasks.start_run.with_options(task_run_name=name)(quote(trainer), str(run.checkpoints), resume_from,
+                                                            spec.checkpoint.keep, return_state=True)
+    training = began.result()
     emit("start", f"training {run.run_id}", total=progress.total, done=trainer.state.global_step)
-    return Session(trainer, began.result(), identity, callback, progress, spec, run.run_id, plan, records, publisher,
+    done = trainer.state.boundaries
+    del records[done:]  # rows of boundaries beyond the restored checkpoint are redone
+    return Session(trainer, training, identity, callback, progress, spec, run, records, publisher,
                    last_task_run=began.state_details.task_run_id)
+
+
+def latest_checkpoint(run: RunPaths) -> str | None:
+    """The run's newest complete checkpoint (None for a new run)."""
+    from comlrl.checkpointing.io import latest_checkpoint as newest
+
+    if not run.checkpoints.is_dir() or not any(run.checkpoints.glob("checkpoint-*")):
+        return None
+    return str(newest(run.checkpoints))
 
 
 def prefect_tags() -> dict[str, str]:
@@ -119,45 +126,36 @@ def prefect_tags() -> dict[str, str]:
     return tags
 
 
-def run_epoch(session: Session, boundary: Boundary) -> None:
-    """The epoch's remaining steps, ``execution.steps_per_task`` per task (default: all in one)."""
-    trainer = session.trainer
-    batches = trainer.epoch_rows()
-    first = trainer.state.step_in_epoch + 1
-    stages = [stage.method for stage in trainer.step_stages] or ["train step"]
-    parts = boundaries.chunks(len(batches), session.spec.execution.steps_per_task)
-    for index, part in enumerate(parts):
-        name = boundaries.steps_task_name(boundary, first + part.start, first + part.stop - 1, stages)
-        tasks.run_steps.with_options(task_run_name=name)(
-            quote(trainer), quote(batches[part.start:part.stop]), quote(session.window), boundary.number,
-            first + part.start, index == len(parts) - 1)
-    if not parts:  # resumed exactly at the end of an epoch's steps
-        trainer.end_epoch()
-
-
-def run_boundary(session: Session, number: int) -> dict[str, Any]:
-    """One boundary: its steps (or PbRL stage), its evaluation, its checkpoint; returns its record."""
-    trainer, boundary = session.trainer, session.plan[number - 1]
+def run_boundary(session: Session, number: int) -> dict[str, Any] | None:
+    """One boundary through the training run's API: its steps (a task per ``execution.steps_per_task``),
+    its end (a PbRL stage runs here) and its checkpoint; returns its record, None when the run stopped."""
+    training, boundary = session.run, session.run.plan[number - 1]
     session.started.add(number)
-    started, first_step = time.perf_counter(), trainer.state.global_step
-    stage_metrics = None
-    if boundary.stage is not None:
-        stage_metrics = tasks.run_pbrl_stage.with_options(task_run_name=boundary.label)(quote(trainer), number)
+    steps = training.steps_left()
+    if steps:
+        stages = [stage.method for stage in session.trainer.step_stages] or ["train step"]
+        first = session.trainer.state.step_in_epoch + 1
+        for part in boundaries.chunks(steps, session.spec.execution.steps_per_task):
+            name = boundaries.steps_task_name(boundary, first + part.start, first + part.stop - 1, stages)
+            tasks.run_steps.with_options(task_run_name=name)(quote(training), len(part), f"b{number}")
+            if training.stopped is not None:
+                return None
+    metrics = None
+    if boundary.stage is not None:  # an epoch's end is part of its checkpoint task
+        metrics = tasks.close_boundary.with_options(task_run_name=boundaries.label(boundary))(
+            quote(training), f"{boundary.stage}-b{number}")
     else:
-        run_epoch(session, boundary)
-    evaluation = tasks.evaluate.with_options(task_run_name=boundary.task_name("evaluation"))(
-        quote(trainer), f"evaluate-b{number}")
-    if evaluation:  # the eval curve: one point per boundary
-        session.callback.on_log(trainer, evaluation, trainer.state.global_step)
-    saved = tasks.save_checkpoint.with_options(task_run_name=boundary.task_name("checkpoint"))(
-        quote(session.runner), return_state=True)
-    checkpoint, session.last_task_run = saved.result(), saved.state_details.task_run_id
-    metrics = boundaries.boundary_metrics(trainer.state.history, first_step, stage_metrics)
-    row = boundaries.boundary_row(boundary, metrics, evaluation, trainer.state.global_step, checkpoint,
-                                  time.perf_counter() - started)
-    record = {"checkpoint": checkpoint, "row": row, "evaluation": evaluation}
+        tasks.close_boundary.with_options(task_run_name=boundaries.task_name(boundary, "end of epoch"))(
+            quote(training), f"b{number}")
+    if training.stopped is not None:
+        return None
+    saved = tasks.save_boundary.with_options(task_run_name=boundaries.task_name(boundary, "checkpoint"))(
+        quote(training), metrics, return_state=True)
+    report, session.last_task_run = saved.result(), saved.state_details.task_run_id
+    row = boundaries.boundary_row(report)
+    record = {"number": number, "checkpoint": report.checkpoint, "row": row, "evaluation": report.evaluation}
     session.finished[number] = record
-    session.publisher.submit(artifacts.publish_table, session.run_id,
+    session.publisher.submit(artifacts.publish_table, session.paths.run_id,
                              [r["row"] for r in session.records if r["row"]] + [row])
     line = boundaries.describe(row)
     get_run_logger().info(line)
@@ -167,78 +165,102 @@ def run_boundary(session: Session, number: int) -> dict[str, Any]:
 
 @flow(name="comlrl-boundary", persist_result=False, validate_parameters=False, log_prints=True)
 def boundary_flow(run_id: str, number: int) -> State:
-    """A boundary as its own subflow run; its final state's message is the boundary's summary."""
-    record = run_boundary(LIVE[run_id], number)
+    """A boundary as its own subflow run; its final state's message is the boundary's summary (Cancelled
+    when a stop signal ended the run inside it)."""
+    session = LIVE[run_id]
+    record = run_boundary(session, number)
+    if record is None:
+        return Cancelled(message=stop_message(session))
     return Completed(message=boundaries.describe(record["row"]), data=record)
 
 
-def boundary_in_subflow(session: Session, boundary: Boundary) -> dict[str, Any]:
-    """The boundary as a subflow; if the Prefect API cannot even start one (a server outage), the
-    boundary runs inside the parent flow run instead: training never needs the server once started."""
+def boundary_in_subflow(session: Session, boundary: Boundary) -> dict[str, Any] | None:
+    """The boundary as a subflow (None when the run stopped in it); if the Prefect API cannot even start
+    one (a server outage), the boundary runs inside the parent flow run instead: training never needs the
+    server once started."""
     if session.subflows:
         if session.last_task_run is not None:  # the server has written the last task's states
             orchestrator.await_task_recorded(session.last_task_run)
         try:
-            state = boundary_flow.with_options(flow_run_name=boundary.title)(session.run_id, boundary.number,
-                                                                             return_state=True)
+            state = boundary_flow.with_options(flow_run_name=boundaries.title(boundary))(
+                session.paths.run_id, boundary.number, return_state=True)
+            if state.is_cancelled():
+                return None
             return state.result()  # raises the boundary's error
         except Exception as error:
             if boundary.number in session.finished:  # done; only its final state was not recorded
                 return session.finished[boundary.number]
-            if boundary.number in session.started:
+            if boundary.number in session.started or session.run.stopped is not None:
                 raise
             session.subflows = False
             get_run_logger().warning("the Prefect API could not start the subflow of %s (%s); this and the "
-                                     "remaining boundaries run inside the flow run", boundary.label, error)
+                                     "remaining boundaries run inside the flow run", boundaries.label(boundary), error)
     return run_boundary(session, boundary.number)
 
 
-def as_record(value: Any) -> dict[str, Any]:
-    """A committed boundary record (runs of older versions recorded the checkpoint path alone)."""
-    return value if isinstance(value, dict) else {"checkpoint": value, "row": None, "evaluation": {}}
+def stop_message(session: Session) -> str:
+    stopped = session.run.stopped
+    where = f"checkpoint {stopped.checkpoint}" if stopped.checkpoint else "no checkpoint could be written"
+    return (f"{stopped} — {where}; continue with: comlrl resume {session.paths.run_id} "
+            f"--workdir {session.paths.workdir}")
 
 
-def mark_failed(identity: dict[str, Any]) -> None:
-    """Mark the MLflow run FAILED (a resume sets it RUNNING again); never masks the real error."""
+def read_records(run: RunPaths) -> list[dict[str, Any]]:
+    """The rows of the boundaries finished so far (``boundaries.jsonl``), in order, one per boundary."""
+    path = run.directory / "boundaries.jsonl"
+    if not path.is_file():
+        return []
+    by_number: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a crash: that boundary is redone
+            continue
+        by_number[record["number"]] = record
+    return [by_number[number] for number in sorted(by_number)]
+
+
+def append_record(run: RunPaths, record: dict[str, Any]) -> None:
+    with open(run.directory / "boundaries.jsonl", "a") as handle:
+        handle.write(json.dumps(record, default=str) + "\n")
+
+
+def end_tracking(session: Session, status: str) -> None:
+    """Mark the MLflow run ``status`` (KILLED, FAILED; a resume sets it RUNNING again) and deliver what the
+    spool holds (bounded; the rest waits for a resume or ``comlrl sync``); never masks the real error."""
     try:
-        tracking.finish_run(identity, status="FAILED")
+        session.callback.set_status(status)
+        session.callback.close()
     except Exception as error:  # the tracking server may be the thing that failed
-        get_run_logger().warning("could not mark the MLflow run FAILED: %s", error)
+        get_run_logger().warning("could not mark the MLflow run %s: %s", status, error)
 
 
-def run_boundaries(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, plan: list[Boundary],
+def run_boundaries(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str,
                    progress_artifact: ProgressArtifact | None,
-                   publisher: artifacts.BackgroundPublisher) -> tuple[Session | None, list[dict[str, Any]]]:
-    """Every boundary not yet committed, each a subflow in its transaction; returns the session (None
-    when nothing had to run) and every boundary's record."""
-    logger = get_run_logger()
-    session: Session | None = None
-    records: list[dict[str, Any]] = []
+                   publisher: artifacts.BackgroundPublisher) -> Session:
+    """Start the training run and every boundary it has left, each a subflow; returns the session (its
+    run's ``stopped`` says whether a stop signal ended it early)."""
+    session = start(spec, run, root, tracking_uri, read_records(run), progress_artifact, publisher)
+    LIVE[run.run_id] = session
     try:
         # One settings context for all boundary subflows: no heartbeat threads (see the module docstring).
         with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
-            for boundary in plan:
-                with transaction(key=boundary_key(run.run_id, boundary.number)) as txn:
-                    if txn.is_committed():
-                        records.append(as_record(txn.read().result))
-                        logger.info("%s already completed: %s", boundary.label, records[-1]["checkpoint"])
-                        continue
-                    if session is None:
-                        resume_from = records[-1]["checkpoint"] if records else None
-                        session = start(spec, run, resume_from, root, tracking_uri, plan, records, progress_artifact,
-                                        publisher)
-                        LIVE[run.run_id] = session
-                    record = boundary_in_subflow(session, boundary)
-                    records.append(record)
-                    txn.stage(record)
-    except Exception:
-        if session is not None:  # a resume sets the MLflow run RUNNING again
-            mark_failed(session.identity)
-            session.callback.close()  # deliver what the spool holds (bounded); the rest waits for a resume
+            while (boundary := session.run.next_boundary) is not None:
+                record = boundary_in_subflow(session, boundary)
+                if record is None:
+                    break
+                session.records.append(record)
+                append_record(run, record)
+    except BaseException as error:
+        session.run.abort(error)  # the last completed step's checkpoint, when the state allows it
+        end_tracking(session, "KILLED" if isinstance(error, (KeyboardInterrupt, TerminationSignal)) else "FAILED")
         raise
     finally:
         LIVE.pop(run.run_id, None)
-    return session, records
+    if session.run.stopped is not None:
+        killed = isinstance(session.run.stopped, TrainingInterrupted)
+        end_tracking(session, "KILLED" if killed else "FAILED")
+    return session
 
 
 def _flow_run_name() -> str:
@@ -276,21 +298,27 @@ def train_flow(
 
 
 def train_run(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str) -> Any:
-    """Every boundary not yet committed, then the end of the run (:func:`finish`)."""
-    plan = boundaries.plan(spec)
+    """Every boundary left, then the end of the run (:func:`finish`); a Cancelled (stop signal) or Failed
+    (non-finite guard) state when the training run stopped early."""
     progress_artifact = ProgressArtifact(artifacts.artifact_key(run.run_id, "progress"),
                                          f"Run {run.run_id}: training steps done", interval=PROGRESS_INTERVAL)
     publisher = artifacts.BackgroundPublisher()  # the boundaries' table artifact, off the training thread
     try:
-        session, records = run_boundaries(spec, run, root, tracking_uri, plan, progress_artifact, publisher)
-        if session is None:  # every boundary was committed: restore the final state to register it
-            session = start(spec, run, records[-1]["checkpoint"], root, tracking_uri, plan, records, progress_artifact,
-                            publisher)
-        tasks.end_training(quote(session.trainer), quote(session.runner))
+        session = run_boundaries(spec, run, root, tracking_uri, progress_artifact, publisher)
+        stopped = session.run.stopped
+        if stopped is not None:
+            message = stop_message(session)
+            info = {"run_id": run.run_id, "checkpoint": stopped.checkpoint, "reason": str(stopped),
+                    "signal": session.run.request.signal_name, "exit_status": session.run.request.exit_status}
+            get_run_logger().warning(message)
+            if isinstance(stopped, TrainingInterrupted):
+                return Cancelled(message=message, data=info)
+            return Failed(message=message, data=info)
+        tasks.finish_training(quote(session.run))
     finally:
         progress_artifact.close()
         publisher.close()
-    return finish(session, spec, run, records, root)
+    return finish(session, spec, run, root)
 
 
 def training_flow(spec: RunSpec) -> Flow:
@@ -300,28 +328,30 @@ def training_flow(spec: RunSpec) -> Flow:
     return train_flow
 
 
-def run_files(session: Session, spec: RunSpec, run: RunPaths, records: list[dict[str, Any]]) -> list[tuple[str, str | None]]:
+def run_files(session: Session, spec: RunSpec, run: RunPaths) -> list[tuple[str, str | None]]:
     """What the MLflow run keeps besides metrics: curves, the spec as given and resolved, checkpoint metadata."""
     trainer = session.trainer
-    evaluations = [(r["row"]["step"], r["row"]["eval_reward"]) for r in records
-                   if r["row"] and r["row"]["eval_reward"] is not None]
-    curve = tasks.plot_curves(quote(trainer.state.history), evaluations, str(run.directory / "reward_curve.png"))
+    evaluations = [(step, value) for step, metrics in trainer.evaluations
+                   if (value := boundaries.primary_eval(metrics)[1]) is not None]
+    curve = tasks.plot_curves(quote(trainer.history), evaluations, str(run.directory / "reward_curve.png"))
     resolved = run.directory / "resolved_spec.json"
     config = dataclasses.asdict(getattr(trainer, "args"))
     resolved.write_text(json.dumps({**spec.model_dump(mode="json"), "config": config}, indent=2, default=str))
     files = [(curve, "plots"), (str(run.spec_copy), "spec"), (str(resolved), "spec")]
     files += [(str(path / "metadata.json"), f"checkpoints/{path.name}")
               for path in sorted(run.checkpoints.glob("checkpoint-*")) if (path / "metadata.json").is_file()]
-    pairs = tasks.save_preference_pairs(quote(trainer), str(run.directory / "preference_pairs.parquet"))
-    if pairs:
-        files.append((pairs, "preferences"))
+    pairs = trainer.preference_pairs
+    if pairs is not None and len(pairs):  # preference runs only: no such task elsewhere
+        files.append((tasks.save_preference_pairs(quote(pairs), str(run.directory / "preference_pairs.parquet")),
+                      "preferences"))
     return files
 
 
-def finish(session: Session, spec: RunSpec, run: RunPaths, records: list[dict[str, Any]], root: str) -> Any:
-    identity, trainer = session.identity, session.trainer
-    evaluation = records[-1]["evaluation"] if records else {}
-    tasks.log_artifacts(identity, run_files(session, spec, run, records))
+def finish(session: Session, spec: RunSpec, run: RunPaths, root: str) -> Any:
+    identity, trainer, records = session.identity, session.trainer, session.records
+    # The gate judges the final agents: one evaluation now (not a training eval point, so not logged as one).
+    evaluation = tasks.evaluate.with_options(task_run_name="evaluate the candidate")(quote(trainer), "gate")
+    tasks.log_artifacts(identity, run_files(session, spec, run))
     if not session.callback.close(warn=False):  # MLflow still down after the bounded wait: the spool keeps it all
         unavailable = session.callback.unavailable()
         return Failed(message=str(unavailable), data=unavailable)  # `comlrl sync` / `comlrl resume` finish it
@@ -333,7 +363,7 @@ def finish(session: Session, spec: RunSpec, run: RunPaths, records: list[dict[st
     decision = tasks.gate(spec, evaluation, candidates, identity["tracking_uri"], root, str(run.workdir), alias)
     tasks.finish_run(identity)
     result = {"run_id": run.run_id, "mlflow_run_id": identity["run_id"], "tracking_uri": identity["tracking_uri"],
-              "checkpoint": records[-1]["checkpoint"] if records else None, "evaluation": evaluation,
+              "checkpoint": session.run.last_checkpoint(), "evaluation": evaluation,
               "registered": registered, "team": team, "gate": decision.as_dict(),
               "boundaries": [r["row"] for r in records if r["row"]]}
     artifacts.best_effort(publish, session, spec, run, result)
@@ -349,11 +379,10 @@ def publish(session: Session, spec: RunSpec, run: RunPaths, result: dict[str, An
     artifacts.publish_gate(run.run_id, result["gate"])
     urls = artifacts.publish_links(run.run_id, identity, entries)
     metric, score = boundaries.primary_eval(result["evaluation"])
-    policy = getattr(trainer, "policy_trainer", trainer)
     train, evaluation = spec.dataset.train, spec.dataset.eval
     artifacts.publish_summary(run.run_id, {
-        "name": spec.name, "run_id": run.run_id, "algorithm": spec.algorithm, "num_agents": policy.num_agents,
-        "models": [str(source) for source in policy.agent_sources], "spec_hash": spec_hash(spec),
+        "name": spec.name, "run_id": run.run_id, "algorithm": spec.algorithm, "num_agents": trainer.num_agents,
+        "models": [str(source) for source in trainer.agent_sources], "spec_hash": spec_hash(spec),
         "train": getattr(train, "path", None) or str(train), "train_rows": len(trainer.train_dataset),
         "eval": (getattr(evaluation, "path", None) or str(evaluation)) if evaluation else None,
         "eval_rows": len(trainer.eval_dataset) if trainer.eval_dataset is not None else None,

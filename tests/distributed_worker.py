@@ -402,6 +402,106 @@ def run_matrix(model_dir: str, prompts: list[str], out: Path) -> None:
     run_matrix_marlhf(model_dir, prompts, out)
 
 
+# ----- the data-parallel maths cells (tests/test_matrix_ddp.py): what 2 processes apply, for a 1-process hand check --
+# One rollout batch of 4 prompts (2 per rank); each rank saves its completions, rewards and pairs and, at every
+# optimizer step, each agent's weights and the gradient about to be applied (after averaging; no clipping), which
+# the test compares with the gradient of the loss over all 4 prompts, computed in one process by hand.
+class EndsEarlyPerPrompt:
+    """Mixin: sample g of a prompt ends after ``1 + (crc32(prompt) + g + agent) % max_new_tokens`` tokens, as if EOS
+    had been sampled there (texts re-decoded): the ranks hold different numbers of completion tokens (and of
+    pairs), whatever the sharding, and a random tiny model rarely samples EOS itself."""
+
+    def rollout(self, rows, row_labels=None):
+        rollout = super().rollout(rows, row_labels)
+        turn = rollout.turns[0]
+        for agent, generation in enumerate(turn.generations):
+            width = generation.completion_ids.shape[1]
+            lengths = torch.tensor([1 + (zlib.crc32(row["prompt"].encode()) + sample + agent) % self.args.max_new_tokens
+                                    for row in rows for sample in range(generation.num_generations)])
+            mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+            ids = torch.where(mask, generation.completion_ids, self.tokenizers[agent].pad_token_id)
+            turn.generations[agent] = Generation(
+                prompt_ids=generation.prompt_ids, prompt_mask=generation.prompt_mask, completion_ids=ids,
+                completion_mask=mask.to(generation.completion_mask.dtype),
+                texts=self.tokenizers[agent].batch_decode(ids, skip_special_tokens=True),
+                num_generations=generation.num_generations)
+        return rollout
+
+
+class RecordsStageInputs:
+    """Mixin: keeps the rewards (score stage), the pairs (MADPO's select_pairs stage) and the rollout the update
+    stage trains on."""
+
+    def score(self, rollout, reward=None):
+        rewards = super().score(rollout, reward)
+        self.__dict__.setdefault("recorded", {})["rewards"] = [r.clone() for r in rewards]
+        return rewards
+
+    def select_pairs(self, rewards):
+        pairs = super().select_pairs(rewards)
+        self.__dict__.setdefault("recorded", {})["pairs"] = [[(p.chosen, p.rejected) for p in kept] for kept in pairs]
+        return pairs
+
+    def update(self, rollout, *inputs):
+        self.__dict__.setdefault("recorded", {})["rollout"] = rollout
+        return super().update(rollout, *inputs)
+
+
+def record_optimizer_steps(trainer) -> list[list[dict]]:
+    """Per agent, at every optimizer step: its trained weights and the gradient the optimizer is about to apply."""
+    steps: list[list[dict]] = [[] for _ in trainer.agents]
+    for index, agent in enumerate(trainer.agents):
+        trainer.model_optimizers[f"agent_{index}"].optimizer.register_step_pre_hook(
+            lambda optimizer, args, kwargs, agent=agent, log=steps[index]: log.append({
+                "parameters": {n: p.detach().cpu().clone() for n, p in agent.named_parameters()},
+                "applied": {n: p.grad.detach().cpu().clone() for n, p in agent.named_parameters()}}))
+    return steps
+
+
+MATHS_CELLS = {
+    # name: (trainer kind, config fields beyond the common ones)
+    "magrpo_passes2": ("magrpo", dict(policy_update_epochs=2, agent_learning_rate=1e-2)),
+    "magrpo_dapo": ("magrpo", dict(loss_type="dapo", agent_learning_rate=1e-3)),
+    "madpo": ("madpo", dict(dpo_reference="none", dpo_beta=0.5, max_pairs_per_prompt=None, agent_learning_rate=1e-3)),
+}
+
+
+def build_maths_cell(name: str, model_dir: str, prompts: list[str], per_device_batch: int):
+    """A :data:`MATHS_CELLS` trainer: one epoch of one global batch of 4 prompts, no accumulation, no clipping."""
+    from datasets import Dataset
+
+    from comlrl.trainers.preference import MADPOConfig, MADPOTrainer
+
+    kind, fields = MATHS_CELLS[name]
+    common = dict(num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=None,
+                  max_grad_norm=None, per_device_train_batch_size=per_device_batch, num_train_epochs=1, seed=11,
+                  device="cpu", disable_tqdm=True, **fields)
+    trainer_class, config_class = (MAGRPOTrainer, MAGRPOConfig) if kind == "magrpo" else (MADPOTrainer, MADPOConfig)
+    cell_class = type(f"Maths{trainer_class.__name__}", (RecordsStageInputs, EndsEarlyPerPrompt, PerPromptSeeded,
+                                                         trainer_class), {})
+    return cell_class(agent_model=model_dir, num_agents=2, reward_func=letter_reward,
+                      train_dataset=Dataset.from_dict({"prompt": prompts}), args=config_class(**common))
+
+
+def run_maths_cells(model_dir: str, prompts_file: str, out_dir: str) -> None:
+    """Every :data:`MATHS_CELLS` cell on this rank's share of the 4 prompts; writes ``<cell>/rank_<rank>.pt``."""
+    prompts = json.loads(Path(prompts_file).read_text())
+    for name in MATHS_CELLS:
+        trainer = build_maths_cell(name, model_dir, prompts, per_device_batch=len(prompts) // 2)
+        assert trainer.data_parallel.world_size == 2 and trainer.data_parallel.fsdp is None, trainer.data_parallel
+        steps = record_optimizer_steps(trainer)
+        trainer.train()
+        recorded = trainer.recorded
+        generations = [{"prompt_ids": g.prompt_ids, "prompt_mask": g.prompt_mask, "completion_ids": g.completion_ids,
+                        "completion_mask": g.completion_mask, "texts": list(g.texts)}
+                       for g in recorded["rollout"].turns[0].generations]
+        out = Path(out_dir) / name
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"rows": [row["prompt"] for row in recorded["rollout"].rows], "rewards": recorded["rewards"][0],
+                    "generations": generations, "pairs": recorded.get("pairs"), "steps": steps},
+                   out / f"rank_{trainer.data_parallel.rank}.pt")
+
+
 def main(model_dir: str, prompts_file: str, out_dir: str, resume: str | None = None, trainer_kind: str = "magrpo"
          ) -> None:
     prompts = json.loads(Path(prompts_file).read_text())

@@ -115,14 +115,29 @@ def build(model, kind="magrpo", **config):
         args=getattr(reinforce, f"{name}Config")(**settings))
 
 
+# Per prompt (one row each) the rewards 0.1 0.4 0.2 0.9 and 0.5 0.5 0.3 0.0; each mode's advantages by hand.
+FAMILY_REWARDS = [[0.1, 0.4, 0.2, 0.9], [0.5, 0.5, 0.3, 0.0]]
+BY_HAND = {
+    "raw": [0.1, 0.4, 0.2, 0.9, 0.5, 0.5, 0.3, 0.0],
+    # the group's best, 0.9 and 0.5
+    "max": [-0.8, -0.5, -0.7, 0.0, 0.0, 0.0, -0.2, -0.5],
+    # the mean of the 3 others: (0.4 + 0.2 + 0.9) / 3 = 0.5, ...; (0.5 + 0.3 + 0.0) / 3 = 0.8 / 3, ...
+    "rloo": [0.1 - 0.5, 0.4 - 0.4, 0.2 - 1.4 / 3, 0.9 - 0.7 / 3, 0.5 - 0.8 / 3, 0.5 - 0.8 / 3, 0.3 - 1.0 / 3,
+             0.0 - 1.3 / 3],
+}
+# The groups' sample stds: deviations from 0.4 are -0.3 0 -0.2 0.5 (squares 0.38); from 0.325 they are 0.175 0.175
+# -0.025 -0.325 (squares 0.1675); each over n - 1 = 3.
+GROUP_STDS = [(0.38 / 3) ** 0.5] * 4 + [(0.1675 / 3) ** 0.5] * 4
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["raw_scale", "normalized"])
 @pytest.mark.parametrize("kind, mode", [("mareinforce", "raw"), ("maremax", "max"), ("marloo", "rloo")])
-def test_trainer_advantages_use_its_mode(kind, mode, tiny_llama):
-    trainer = build(tiny_llama, kind)
-    rewards = [torch.tensor([[0.1, 0.4, 0.2, 0.9], [0.5, 0.5, 0.3, 0.0]])]
-    advantages = trainer.advantages(rewards)
-    expected = baseline_advantages(rewards[0], mode, normalize=False).reshape(-1)
+def test_trainer_advantages_use_its_mode(kind, mode, normalize, tiny_llama):
+    trainer = build(tiny_llama, kind, normalize_advantages=normalize)
+    advantages = trainer.advantages([torch.tensor(FAMILY_REWARDS)])
+    expected = [a / (std + 1e-6) if normalize else a for a, std in zip(BY_HAND[mode], GROUP_STDS)]
     for agent in range(2):  # aligned joints: every agent's completion g gets joint sample g's advantage
-        assert torch.equal(advantages[agent][0], expected)
+        assert advantages[agent][0].tolist() == pytest.approx(expected, abs=1e-6), (agent, mode)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

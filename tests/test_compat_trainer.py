@@ -187,7 +187,7 @@ def test_wandb_config_with_wandb_logs_and_records_the_run(tiny_llama, monkeypatc
 def test_train_dataset_may_come_after_construction(tiny_llama, tmp_path):
     config = dict(lr_scheduler_type="linear", num_train_epochs=2)
     trainer = build(tiny_llama, None, config=config)
-    for start in (trainer.train, trainer.begin_training):
+    for start in (trainer.train, trainer.start_run):
         with pytest.raises(ValueError, match="train_dataset"):
             start(checkpoint_dir=tmp_path)
     assert not any(tmp_path.iterdir()) and trainer.state.global_step == 0

@@ -21,9 +21,9 @@ from letters_spec import letters_spec
 
 pytestmark = pytest.mark.slow
 
-SPEC = letters_spec("flowtest", num_generations=2, max_new_tokens=6, temperature=1.0, agent_learning_rate=0.003,
-                    num_train_epochs=3, per_device_train_batch_size=2)
 STEPS_PER_EPOCH = 2  # 4 rows, batch 2
+SPEC = letters_spec("flowtest", num_generations=2, max_new_tokens=6, temperature=1.0, agent_learning_rate=0.003,
+                    num_train_epochs=3, per_device_train_batch_size=2, eval_interval=STEPS_PER_EPOCH)
 
 
 def write_spec(directory: Path, **changes) -> Path:
@@ -230,26 +230,28 @@ def test_a_failed_flow_run_resumes_after_the_last_completed_boundary(resumed):
     assert resumed["completed"].is_completed()
     failed_id, completed_id = resumed["failed"].state_details.flow_run_id, resumed["completed"].state_details.flow_run_id
     first = task_run_names(failed_id)
-    # The first run finished epoch 1 (its steps, evaluation and checkpoint); epoch 2's steps task failed
-    # in its first policy update, so epoch 2 has no completed task but its subflow run, failed.
+    # The first run finished epoch 1 (its steps, end and checkpoint); epoch 2's steps task failed in its first
+    # policy update, so epoch 2 has no completed task but its subflow run, failed.
     assert steps_tasks(first) == ["epoch 1 · steps 1–2"]
     assert [n for n in first if n.endswith("· checkpoint")] == ["epoch 1 · checkpoint"]
     assert [(run.name, run.state.type.value) for run in subflow_runs(failed_id)] == [
         ("epoch 1 of 3", "COMPLETED"), ("epoch 2 of 3", "FAILED")]
-    expected = 2 * 3 + 2 + 5  # steps, evaluation, checkpoint x2; restore, register x2, gate, ...
+    expected = 3 * 2 + 6  # steps, end, checkpoint x2; restore, evaluate, register x2, gate, ...
     second = task_run_names(completed_id, expected=expected)
     assert not [n for n in second if n.startswith("epoch 1 ")], "epoch 1 ran again"
     assert steps_tasks(second) == ["epoch 2 · steps 1–2", "epoch 3 · steps 1–2"]
+    # The failure was inside an update: nothing newer than checkpoint-1 could be saved, the resume starts there.
     assert "restore checkpoint-1" in second and "begin training" not in second
     assert [n for n in second if n.endswith("· checkpoint")] == ["epoch 2 · checkpoint", "epoch 3 · checkpoint"]
     assert [n for n in second if n.startswith("register")] == ["register agent models", "register team model"]
-    # One subflow per boundary run here, each saying its reward in its final state's message.
+    # One subflow per boundary run here, each saying its reward (and eval, eval_interval = one epoch) in its
+    # final state's message.
     subflows = subflow_runs(completed_id)
     assert [run.name for run in subflows] == ["epoch 2 of 3", "epoch 3 of 3"]
     assert all(run.state.is_completed() and "reward" in run.state.message and "eval" in run.state.message
                for run in subflows)
-    # The task runs pay for themselves: per boundary its steps, evaluation and checkpoint (and the
-    # subflow's own record in the parent), not one per stage and step.
+    # The task runs pay for themselves: per boundary its steps, its end and its checkpoint (and the subflow's
+    # own record in the parent), not one per stage and step.
     assert [len([n for n in second if n.startswith(f"epoch {epoch} ")]) for epoch in (2, 3)] == [3, 3]
     assert len(second) <= 4 * 2 + 15, second
 
@@ -364,7 +366,7 @@ def test_marlhf_iter_runs_one_task_per_pbrl_stage_and_logs_the_pairs(pipeline):
     assert [run.name for run in subflow_runs(state.state_details.flow_run_id)] == [
         f"iteration {i} · {stage} ({3 * (i - 1) + n + 1}/6)" for i in (1, 2) for n, stage in enumerate(stages)]
     assert sorted(n for n in names if n.startswith("iteration") and "·" in n and not n.endswith(
-        ("evaluation", "checkpoint"))) == sorted(f"iteration {i} · {stage}" for i in (1, 2) for stage in stages)
+        "checkpoint")) == sorted(f"iteration {i} · {stage}" for i in (1, 2) for stage in stages)
     assert Path(result["checkpoint"]).name == "checkpoint-6"
     client = MlflowClient(pipeline["tracking_uri"])
     assert [a.path for a in client.list_artifacts(result["mlflow_run_id"], "preferences")] == [

@@ -32,7 +32,7 @@ def test_sequence_logprobs_and_log_ratio_differences_by_hand():
     # (pi_w - ref_w) - (pi_l - ref_l) = (-3 + 4) - (-1 + 1.5) = 0.5; without a reference pi_w - pi_l = -2
     assert dpo.log_ratio_differences(chosen, rejected, torch.tensor([-4.0]), torch.tensor([-1.5])).item() == 0.5
     assert dpo.log_ratio_differences(chosen, rejected).item() == -2.0
-    with pytest.raises(ValueError, match="both reference_chosen and reference_rejected"):
+    with pytest.raises(ValueError, match="^give both reference_chosen and reference_rejected, or neither$"):
         dpo.log_ratio_differences(chosen, rejected, torch.tensor([-4.0]))
 
 
@@ -60,6 +60,11 @@ def test_dpo_statistics_by_hand():
     assert stats["loss"] == pytest.approx(loss, abs=1e-6)
     assert stats["accuracy"] == pytest.approx(0.5)  # a win, a tie (half), a loss
     assert stats["margin"] == pytest.approx(1.0 / 3.0)
+    small = dpo.dpo_statistics(torch.tensor([0.5, -0.25]), beta=1.0)  # a win by less than 1 still wins
+    assert small == pytest.approx({"loss": (-math.log(sigmoid(0.5)) - math.log(sigmoid(-0.25))) / 2, "accuracy": 0.5,
+                                   "margin": 0.125})
+    assert dpo.dpo_statistics(torch.tensor([2.0]), beta=1.0) == pytest.approx(  # one pair
+        {"loss": -math.log(sigmoid(2.0)), "accuracy": 1.0, "margin": 2.0})
     assert all(math.isnan(v) for v in dpo.dpo_statistics(torch.zeros(0), 0.1).values())
 
 
@@ -135,6 +140,46 @@ def test_the_reference_is_the_initial_policy(tiny_llama, tiny_llama_b, lora):
     raw = build(tiny_llama, dpo_reference="none", num_train_epochs=1)
     assert raw.references is None
     assert raw.train_step([{"prompt": p} for p in PROMPTS[:2]])["dpo/loss"] != pytest.approx(math.log(2.0), abs=1e-3)
+
+
+def test_the_first_step_is_neutral_under_mixed_precision(tiny_llama):
+    """Under bf16-mixed the policy's log-probabilities run under the same autocast as the reference's, so the
+    first step's ratios are exactly 1 again (a policy pass in fp32 against a bf16 reference would not be)."""
+    trainer = build(tiny_llama, precision="bf16-mixed", num_train_epochs=1)
+    first = trainer.train_step([{"prompt": p} for p in PROMPTS[:2]])
+    assert first["dpo/pairs"] > 0
+    assert first["dpo/loss"] == pytest.approx(math.log(2.0), abs=1e-6) and first["dpo/accuracy"] == 0.5
+
+
+def test_a_batch_without_pairs_reports_no_loss_and_still_counts_a_micro_batch(tiny_llama):
+    """Equal rewards give no pair: the step reports no DPO loss (not log 2 on a phantom pair), makes no gradient,
+    and each agent's accumulation window still counts the micro-batch (data-parallel processes must agree on
+    when to step)."""
+    trainer = build(tiny_llama, num_train_epochs=1, gradient_accumulation_steps=2)
+    rollout = trainer.rollout([{"prompt": p} for p in PROMPTS[:2]])
+    pairs = trainer.select_pairs([torch.full((2, TINY["num_generations"]), 0.5)])
+    assert pairs == [[], []]
+    metrics = trainer.update(rollout, pairs)
+    assert metrics["dpo/pairs"] == 0.0
+    for key in ("dpo/loss", "dpo/accuracy", "dpo/margin", "agent_0/loss", "agent_1/loss"):
+        assert key not in metrics or math.isnan(metrics[key]), (key, metrics[key])  # no value for no pairs
+    assert all(c.pending == 1 for c in trainer.model_optimizers.values())
+    assert all(p.grad is None for agent in trainer.agents for p in agent.parameters())
+
+
+def test_every_agent_backpropagates_the_joint_loss(tiny_llama):
+    """Each agent's loss is the joint one, -log sigmoid(beta * sum_b delta_b), with the other agents' terms
+    detached: not its own -log sigmoid(beta * delta_a). Without a reference every delta_b differs from 0 at the
+    first step (with the initial-weights reference they are all 0 and any coupling gives log 2), so the two
+    agents' own DPO losses would differ from each other and from the joint loss. The gradient itself is checked
+    against the maths in tests/test_trainer_maths.py."""
+    trainer = build(tiny_llama, dpo_reference="none", dpo_beta=0.5, num_train_epochs=1)
+    metrics = trainer.train_step([{"prompt": p} for p in PROMPTS[:2]])
+    assert metrics["dpo/pairs"] > 0
+    joint = metrics["dpo/loss"]  # -log sigmoid(beta * joint difference), averaged over the pairs
+    assert abs(joint - math.log(2.0)) > 1e-3  # the differences are not 0, so the coupling shows
+    for agent in range(2):
+        assert metrics[f"agent_{agent}/loss"] == pytest.approx(joint, rel=1e-5), agent
 
 
 def test_resume_equals_uninterrupted_and_save_model_layout(tiny_llama, tmp_path):

@@ -171,6 +171,36 @@ def test_cross_mode_scores_every_combination(tiny_llama, train_dataset):
     assert pairs == [(a[i], b[j]) for i in range(3) for j in range(3)]
 
 
+def test_cross_mode_credits_each_completion_with_the_mean_of_its_joint_samples(tiny_llama, train_dataset):
+    trainer = MAGRPOTrainer(
+        agent_model=tiny_llama, num_agents=2, reward_func=lambda c0, c1: [0.0] * len(c0), train_dataset=train_dataset,
+        args=MAGRPOConfig(num_agents=2, num_generations=2, joint_mode="cross", normalize_advantages=False,
+                          max_new_tokens=4, disable_tqdm=True),
+    )
+    # Joint samples (a0, b0), (a0, b1), (a1, b0), (a1, b1) earn 1, 2, 3, 6: mean 3, advantages -2, -1, 0, 3.
+    advantages = trainer.advantages([torch.tensor([[1.0, 2.0, 3.0, 6.0]])])
+    assert advantages[0][0].tolist() == [-1.5, 1.5]  # a0: (-2 - 1) / 2; a1: (0 + 3) / 2
+    assert advantages[1][0].tolist() == [-1.0, 1.0]  # b0: (-2 + 0) / 2; b1: (-1 + 3) / 2
+
+
+def test_multi_turn_advantages_use_the_discounted_returns(tiny_llama, train_dataset):
+    trainer = MAGRPOTrainer(
+        agent_model=tiny_llama, num_agents=2, reward_func=lambda c0, c1: [0.0] * len(c0),
+        external_transition=lambda prompt, agent_completions, num_agents, **_: ["next"] * num_agents,
+        train_dataset=train_dataset,
+        args=MAGRPOConfig(num_agents=2, num_turns=2, num_generations=2, discount=0.5, normalize_advantages=False,
+                          max_new_tokens=4, disable_tqdm=True),
+    )
+    # Turn 1: joint samples 0 and 1 earn 1 and 0; each spawns a node of turn 2, earning (2, 4) and (0, 6).
+    rewards = [torch.tensor([[1.0, 0.0]]), torch.tensor([[2.0, 4.0], [0.0, 6.0]])]
+    advantages = trainer.advantages(rewards)
+    # Returns of turn 1: 1 + 0.5 * mean(2, 4) = 2.5 and 0 + 0.5 * mean(0, 6) = 1.5; mean 2 -> 0.5, -0.5.
+    # Turn 2 (the last): its rewards less each node's mean, 3 and 3.
+    for agent in range(2):
+        assert advantages[agent][0].tolist() == [0.5, -0.5]
+        assert advantages[agent][1].tolist() == [-1.0, 1.0, -3.0, 3.0]
+
+
 def test_formatters_and_missing_fields(tiny_llama, train_dataset):
     def reward(c0, c1):
         return [0.0] * len(c0)

@@ -7,6 +7,12 @@ For each cell a run of two boundaries is checked for what the user planned:
 - no gradient is left unapplied at the end (every ``.grad`` is None, nothing pending);
 - resuming from a checkpoint taken mid-run ends bit-identical to the uninterrupted run, with the
   same learning rates at the remaining steps.
+- for the REINFORCE family (fp32 cells), the gradient each agent's optimizer applies at the run's first
+  step (with 2 update passes also the second, whose passes run at weights that did not sample their batch) is
+  the gradient of the cell's loss written out by hand (tests/test_trainer_maths.py): its loss type, its KL mode,
+  the ratio to the sampling policy, the mean over the accumulation window and the clip to max_grad_norm; and
+  the other loss types, or ratio 1, would give another one. Completions end early by hand (``EndsEarly``), so
+  a batch's completions differ in length and the loss types differ.
 A second group interrupts a run mid-epoch while gradients are pending (accumulation 3) and
 resumes it. OPTION_CELLS add the later options (advantage mode, loss type, reference KL, mixed
 precision) and MADPO in pairings. The data-parallel cells are in test_matrix_ddp.py, the generation backends in
@@ -18,6 +24,8 @@ multiple of the window, so every epoch ends with a flushed partial window.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 import os
 import signal
@@ -33,10 +41,44 @@ from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAAC
 from comlrl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
 from comlrl.trainers.reinforce import (MAGRPOConfig, MAGRPOTrainer, MAREINFORCEConfig, MAREINFORCETrainer,
                                        MAReMaxConfig, MAReMaxTrainer, MARLOOConfig, MARLOOTrainer)
+from test_trainer_maths import LOSS_TYPES, FamilyMaths, OptimizerSteps, assert_gradient_matches, gradient, model_at
 
 TRAINERS = ("magrpo", "iac", "maac", "marlhf", "marlhf_iter")
-FAMILY = {"magrpo": (MAGRPOTrainer, MAGRPOConfig), "mareinforce": (MAREINFORCETrainer, MAREINFORCEConfig),
-          "maremax": (MAReMaxTrainer, MAReMaxConfig), "marloo": (MARLOOTrainer, MARLOOConfig)}
+
+
+class EndsEarly:
+    """Mixin: sample g of every prompt ends after ``1 + (g + agent) % max_new_tokens`` tokens, as if EOS had been
+    sampled there (the rest is padding, the texts are re-decoded), so a batch's completions differ in length and
+    each loss type gives its own update (a random tiny model rarely samples EOS). Deterministic: a resumed run
+    cuts the same way."""
+
+    def rollout(self, rows, row_labels=None):
+        rollout = super().rollout(rows, row_labels)
+        for turn in rollout.turns:
+            for agent, generation in enumerate(turn.generations):
+                num_rows, width = generation.completion_ids.shape
+                samples = torch.arange(num_rows) % generation.num_generations
+                lengths = 1 + (samples + agent) % self.args.max_new_tokens
+                mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+                ids = torch.where(mask, generation.completion_ids, self.tokenizers[agent].pad_token_id)
+                turn.generations[agent] = dataclasses.replace(
+                    generation, completion_ids=ids, completion_mask=mask.to(generation.completion_mask.dtype),
+                    texts=self.tokenizers[agent].batch_decode(ids, skip_special_tokens=True))
+        return rollout
+
+
+class RecordsBatches:
+    """Mixin: keeps each rollout batch's rewards and rollout as the advantages stage receives them."""
+
+    def advantages(self, rewards, reference=None, rollout=None):
+        self.__dict__.setdefault("recorded_batches", []).append((rewards, rollout))
+        return super().advantages(rewards, reference, rollout)
+
+
+FAMILY = {kind: (type(f"Matrix{trainer.__name__}", (EndsEarly, RecordsBatches, trainer), {}), config)
+          for kind, (trainer, config) in {
+              "magrpo": (MAGRPOTrainer, MAGRPOConfig), "mareinforce": (MAREINFORCETrainer, MAREINFORCEConfig),
+              "maremax": (MAReMaxTrainer, MAReMaxConfig), "marloo": (MARLOOTrainer, MARLOOConfig)}.items()}
 PROMPTS = ["write about the cat", "write about the sun", "write about the tree", "write about the road"]
 LEARNING_RATE = 1e-3
 # The boundary each trainer's resume starts from (after it, the run still has work that depends on the state).
@@ -205,10 +247,65 @@ def test_option_cell(cell, tiny_llama, tmp_path):
     check_cell(kind, passes, accumulation, schedule, lora, options, tiny_llama, tmp_path)
 
 
+def clipped(gradients: dict[str, torch.Tensor], max_norm: float | None) -> dict[str, torch.Tensor]:
+    """torch's clip_grad_norm_, written out: scaled by max_norm / (norm + 1e-6) when that is below 1."""
+    if max_norm is None:
+        return gradients
+    norm = sum(float(g.double().pow(2).sum()) for g in gradients.values()) ** 0.5
+    factor = min(1.0, max_norm / (norm + 1e-6))
+    return {name: g * factor for name, g in gradients.items()}
+
+
+def check_first_updates(trainer, initial_agents, steps, passes: int, accumulation: int) -> None:
+    """Each agent's gradient at the run's first optimizer step (with 2 passes also the second) against the maths.
+
+    Micro-batch ``m`` is pass ``m % passes`` over rollout batch ``m // passes``; window ``k`` holds micro-batches
+    ``kA .. kA + A - 1`` and all of them run at the weights before step ``k`` with pi_old the weights that
+    sampled their batch (those before the step whose window holds the batch's first pass). The window's gradient
+    (as accumulated) is the mean over its micro-batches (they hold equal counts here, so it is also the mean over
+    their completions or tokens); the optimizer applies it clipped to max_grad_norm. The reference (KL cells) is
+    the initial policy.
+    """
+    args = trainer.args
+    windows = 2 if passes == 2 else 1
+    for agent in range(trainer.num_agents):
+        initial = initial_agents[agent]
+        reference = initial if args.reference_kl_enabled else None
+        for window in range(windows):
+            step = steps[agent][window]
+            batches = []
+            for micro in range(window * accumulation, (window + 1) * accumulation):
+                batch = micro // passes
+                rewards, rollout = trainer.recorded_batches[batch]
+                behaviour = steps[agent][batch * passes // accumulation].parameters
+                batches.append(FamilyMaths(initial, rollout.turns[0].generations[agent], rewards[0], behaviour, args,
+                                           reference))
+
+            def window_gradient(**options):
+                model = model_at(initial, step.parameters)
+                loss = sum(maths.loss(model, maths.advantages(), **options) for maths in batches) / accumulation
+                return gradient(loss, model)
+
+            expected = window_gradient()
+            if window == 0:  # (in the second window every token of a batch may be clipped: no gradient, any type)
+                same = {"bnpo", "dapo"} if args.loss_type in ("bnpo", "dapo") else {args.loss_type}
+                wrong = {f"loss_type={t!r}": window_gradient(loss_type=t) for t in LOSS_TYPES if t not in same}
+            else:  # a pass at weights that did not sample its batch: its ratios are not 1
+                wrong = {"ratio 1": window_gradient(ratio_one=True)}
+            assert_gradient_matches(step.accumulated, expected, wrong)
+            assert_gradient_matches(step.applied, clipped(expected, args.max_grad_norm), {})
+
+
 def check_cell(kind, passes, accumulation, schedule, lora, options, tiny_llama, tmp_path):
     straight = build(kind, tiny_llama, passes, accumulation, schedule, lora, **options)
     learning_rates = record_learning_rates(straight)
+    maths = kind in FAMILY and options.get("precision", "fp32") == "fp32"  # (bf16 forwards: not float32 maths)
+    if maths:
+        initial_agents = [copy.deepcopy(agent) for agent in straight.agents]
+        optimizer_steps = OptimizerSteps(straight)
     straight.train(checkpoint_dir=tmp_path / "run", checkpoint_interval=1)
+    if maths:
+        check_first_updates(straight, initial_agents, optimizer_steps.steps, passes, accumulation)
 
     # The planned schedule, step by step, over the whole run; exactly the planned number of steps.
     for name, steps in learning_rates.items():

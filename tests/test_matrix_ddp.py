@@ -16,18 +16,35 @@ The rollouts are the same in both set-ups because every prompt is sampled under 
 weights are compared within 1e-5 (as tests/test_distributed.py does), learning rates exactly.
 The MARLHF cell is not compared with one process (its rollouts use each rank's own sampling
 stream); it checks what data parallelism must keep equal across the ranks.
+
+Those comparisons run the same trainer code on both sides. The maths cells (a second launch,
+``run_maths_cells``) compare 2 processes with the maths instead: each rank records its completions,
+rewards and pairs and the gradient its optimizer applies (averaged over the ranks), and the test computes,
+in one process and by hand (tests/test_trainer_maths.py: plain forwards, the loss written out), the
+gradient of the loss over the whole global batch: MAGRPO with 2 update passes (the second off-policy),
+MAGRPO with loss_type='dapo' (normalised by every rank's completion tokens together) and MADPO (a mean
+over every rank's pairs, each agent's loss coupled to the others'). Completions end early by hand
+(``EndsEarlyPerPrompt``), so the ranks hold different numbers of tokens and a rank-local normaliser would
+give another gradient.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from distributed_worker import (FIXED_JOINT, MATRIX_GLOBAL_BATCH, build_matrix_iac, build_matrix_madpo,
-                                build_matrix_magrpo, build_matrix_magrpo_dapo, plain_weights, record_learning_rates)
-from test_distributed import equal_length_prompts, launch_worker
+from comlrl.trainers.reinforce import MAGRPOConfig
+from distributed_worker import (FIXED_JOINT, MATHS_CELLS, MATRIX_GLOBAL_BATCH, build_matrix_iac, build_matrix_madpo,
+                                build_matrix_magrpo, build_matrix_magrpo_dapo, letter_reward, plain_weights,
+                                record_learning_rates)
+from test_distributed import ROOT, equal_length_prompts, free_port, launch_worker
+from test_trainer_maths import FamilyMaths, assert_gradient_matches, gradient, model_at, token_logprobs
 
 ATOL = 1e-5
 # Optimizer steps per model over 2 epochs: ceil(2 batches x passes / 3) an epoch.
@@ -236,3 +253,133 @@ def test_two_process_mid_window_checkpoint_resumes_in_one_process(matrix_run, si
     assert [s["reward_mean"] for s in resumed.state.history] == pytest.approx(
         [s["reward_mean"] for s in single.state.history], rel=1e-6, abs=1e-9)
     assert_modules_close(plain_weights(single), plain_weights(resumed), ATOL, "mid-window resume vs uninterrupted")
+
+
+# ----- the maths cells: 2 processes against the one-process maths, by hand -------------------------------
+def launch_worker_function(function: str, *arguments: str) -> None:
+    """``distributed_worker.<function>(*arguments)`` in 2 gloo processes under torchrun."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    code = f"import sys, distributed_worker; distributed_worker.{function}(*sys.argv[1:])"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), "--no-python", sys.executable, "-c", code, *arguments]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def maths_run(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("matrix_ddp_maths")
+    (out / "prompts.json").write_text(json.dumps(equal_length_prompts(tiny_llama)))
+    launch_worker_function("run_maths_cells", tiny_llama, str(out / "prompts.json"), str(out))
+    return out
+
+
+def load_ranks(out, cell):
+    ranks = [torch.load(out / cell / f"rank_{rank}.pt", weights_only=True) for rank in range(2)]
+    assert ranks[0]["rows"] != ranks[1]["rows"], "both ranks rolled out the same prompts"
+    for rank in ranks:  # the rewards are the task reward of what the rank sampled (letter_reward, aligned joints)
+        texts = [generation["texts"] for generation in rank["generations"]]
+        assert rank["rewards"].reshape(-1).tolist() == pytest.approx(letter_reward(*texts), abs=1e-6)
+    return ranks
+
+
+def batch_of(parts: list[dict]) -> SimpleNamespace:
+    """Completions of several ranks as one batch, in rank order, right-padded to one width (equal-length prompts)."""
+    width = max(part["completion_ids"].shape[1] for part in parts)
+
+    def padded(key):
+        return torch.cat([torch.nn.functional.pad(part[key], (0, width - part[key].shape[1])) for part in parts])
+
+    return SimpleNamespace(prompt_ids=torch.cat([part["prompt_ids"] for part in parts]),
+                           prompt_mask=torch.cat([part["prompt_mask"] for part in parts]),
+                           completion_ids=padded("completion_ids"), completion_mask=padded("completion_mask"))
+
+
+def applied_steps(ranks, agent):
+    """The agent's optimizer steps as applied (averaged over the ranks: equal on both)."""
+    steps = [rank["steps"][agent] for rank in ranks]
+    assert len(steps[0]) == len(steps[1])
+    for mine, other in zip(*steps):
+        for name, tensor in mine["applied"].items():
+            torch.testing.assert_close(other["applied"][name], tensor, rtol=0, atol=1e-7, msg=name)
+    return steps[0]
+
+
+def cell_config(cell) -> MAGRPOConfig:
+    kind, fields = MATHS_CELLS[cell]
+    return MAGRPOConfig(num_agents=2, num_generations=4, max_new_tokens=6, temperature=1.0, **fields)
+
+
+def test_two_processes_apply_the_token_level_gradient_of_the_global_batch(maths_run, tiny_llama):
+    """loss_type='dapo': sum of every token's loss over every rank's completions / all their tokens. Each rank's
+    own token count would weight the ranks' halves differently (the counts differ: completions end early)."""
+    ranks = load_ranks(maths_run, "magrpo_dapo")
+    args = cell_config("magrpo_dapo")
+    rewards = torch.cat([rank["rewards"] for rank in ranks])
+    for agent in range(2):
+        [step] = applied_steps(ranks, agent)
+        parts = [rank["generations"][agent] for rank in ranks]
+        assert int(parts[0]["completion_mask"].sum()) != int(parts[1]["completion_mask"].sum())
+        maths = FamilyMaths(tiny_llama, batch_of(parts), rewards, step["parameters"], args)
+        expected = maths.gradient(step["parameters"], maths.advantages())
+        per_rank = [FamilyMaths(tiny_llama, batch_of([part]), rank["rewards"], step["parameters"], args)
+                    for part, rank in zip(parts, ranks)]
+        rank_local = [m.gradient(step["parameters"], m.advantages()) for m in per_rank]
+        averaged = {name: (rank_local[0][name] + rank_local[1][name]) / 2 for name in expected}
+        assert_gradient_matches(step["applied"], expected, {"each rank normalising by its own tokens": averaged})
+
+
+def test_two_processes_apply_the_off_policy_second_pass_of_the_global_batch(maths_run, tiny_llama):
+    """policy_update_epochs=2: the first step is the on-policy GRPO gradient over all 16 completions; the second
+    runs at the stepped weights with the ratio to the sampling policy (not 1)."""
+    ranks = load_ranks(maths_run, "magrpo_passes2")
+    args = cell_config("magrpo_passes2")
+    rewards = torch.cat([rank["rewards"] for rank in ranks])
+    for agent in range(2):
+        first, second = applied_steps(ranks, agent)
+        parts = [rank["generations"][agent] for rank in ranks]
+        maths = FamilyMaths(tiny_llama, batch_of(parts), rewards, first["parameters"], args)
+        advantages = maths.advantages()
+        assert_gradient_matches(first["applied"], maths.gradient(first["parameters"], advantages), {})
+        assert_gradient_matches(second["applied"], maths.gradient(second["parameters"], advantages),
+                                {"ratio 1": maths.gradient(second["parameters"], advantages, ratio_one=True)})
+
+
+def test_two_processes_apply_the_joint_dpo_gradient_of_every_pair(maths_run, tiny_llama):
+    """MADPO without a reference: agent a's gradient is that of (1 / all pairs) sum_p -log sigmoid(beta (delta_a
+    + sg(delta_b))), over both ranks' pairs; each rank's own pair count, or independent per-agent DPO, differ."""
+    ranks = load_ranks(maths_run, "madpo")
+    beta = MATHS_CELLS["madpo"][1]["dpo_beta"]
+    # Every ordered pair with a reward gap, per prompt (max_pairs_per_prompt=None); rows: prompt * 4 + sample.
+    chosen, rejected, owner = [], [], []
+    for rank_index, rank in enumerate(ranks):
+        offset = 8 * rank_index
+        kept = []
+        for prompt, rewards in enumerate(rank["rewards"].tolist()):
+            pairs = {(w, l) for w in range(4) for l in range(4) if rewards[w] > rewards[l]}
+            kept.append(pairs)
+            for w, l in sorted(pairs):
+                chosen.append(offset + 4 * prompt + w)
+                rejected.append(offset + 4 * prompt + l)
+                owner.append(rank_index)
+        assert [set(map(tuple, pairs)) for pairs in rank["pairs"]] == kept
+    owner = torch.tensor(owner)
+    counts = [int((owner == r).sum()) for r in range(2)]
+    models, deltas = [], []
+    for agent in range(2):
+        [step] = applied_steps(ranks, agent)
+        generation = batch_of([rank["generations"][agent] for rank in ranks])
+        model = model_at(tiny_llama, step["parameters"])
+        sequence = (token_logprobs(model, generation, 1.0) * generation.completion_mask.float()).sum(dim=1)
+        models.append(model)
+        deltas.append(sequence[chosen] - sequence[rejected])
+    for agent in range(2):
+        joint = -torch.nn.functional.logsigmoid(beta * (deltas[agent] + deltas[1 - agent].detach()))
+        expected = gradient(joint.mean(), models[agent], keep_graph=True)
+        wrong = {"independent per-agent DPO": gradient(
+            -torch.nn.functional.logsigmoid(beta * deltas[agent]).mean(), models[agent], keep_graph=True)}
+        if counts[0] != counts[1]:  # a rank-local mean weighs the ranks' pairs differently
+            wrong["each rank's own pair count"] = gradient(
+                sum(joint[owner == r].mean() for r in range(2)) / 2, models[agent], keep_graph=True)
+        assert_gradient_matches(ranks[0]["steps"][agent][0]["applied"], expected, wrong)

@@ -29,7 +29,7 @@ from test_servers import ROOT, free_port, get_json
 SPEC = {
     # Measured: evaluation reward 0.102 untrained (and at lr 1e-9), 0.136 after these 4 steps at lr 0.02.
     **letters_spec("uxtest", num_generations=4, max_new_tokens=8, temperature=1.0, agent_learning_rate=0.02,
-                   num_train_epochs=2, per_device_train_batch_size=2),
+                   num_train_epochs=2, per_device_train_batch_size=2, eval_interval=2),  # an evaluation per epoch
     "execution": {"steps_per_task": 1},
 }
 PROMPT = "tell me about the cat"
@@ -162,9 +162,10 @@ def test_each_boundary_is_a_subflow_named_after_it_with_a_few_named_tasks(runs, 
         time.sleep(0.5)
     names = sorted(task["name"] for task in tasks)
     # execution.steps_per_task: 1 -> one task per step; the stages are the step's, timed as metrics.
+    # The evaluation (eval_interval: one per epoch) is part of the step that reaches it.
     assert [name.split(":")[0] for name in names] == [
-        "epoch 1 · checkpoint", "epoch 1 · evaluation", "epoch 1 · step 1", "epoch 1 · step 2",
-        "epoch 2 · checkpoint", "epoch 2 · evaluation", "epoch 2 · step 1", "epoch 2 · step 2"]
+        "epoch 1 · checkpoint", "epoch 1 · end of epoch", "epoch 1 · step 1", "epoch 1 · step 2",
+        "epoch 2 · checkpoint", "epoch 2 · end of epoch", "epoch 2 · step 1", "epoch 2 · step 2"]
     assert all(name.split(": ")[1].startswith("rollout, score") for name in names if " · step " in name)
 
 

@@ -215,12 +215,12 @@ def test_policy_guard_restores_a_stage_that_lowers_the_task_reward(tiny_llama, t
     policy = trainer.policy_trainer
     before = {k: v.clone() for k, v in policy.agents[0].state_dict().items()}
     moments = {k: v.clone() for k, v in policy.optimizers[0].state_dict()["state"].get(0, {}).items()}
-    snapshot = PolicySnapshot.take(policy, trainer.guard_score())
+    snapshot = PolicySnapshot.take(policy, trainer.guard_scores()["task_reward"])
     # the guard's score compares against what the snapshot says the task reward was before the stage
     snapshot.task_reward = float("inf") if lowered else float("-inf")
     trainer.guard = snapshot
-    for rows in policy.epoch_rows()[:2]:
-        policy.record_step(policy.train_step(rows), MetricWindow())
+    for _ in range(2):
+        policy.take_step(MetricWindow())
     moved = any(not torch.equal(before[k], v) for k, v in policy.agents[0].state_dict().items())
     assert moved
     metrics = trainer.apply_guard()

@@ -41,6 +41,10 @@ from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 NOT_STATE = {
     "*stop_request": "the SIGTERM/SIGINT flag object of the current train() call; every train() installs a new one",
     "policy_trainer.history_tags": "set by MARLHF's learn_policy from state.iteration before the policy's first step",
+    "*_step_guard*": "where an exception would leave the step in progress; between steps (at a checkpoint) it is empty",
+    "*_evaluations": "the evaluations this process made (TrainingRun's reports); a resumed process starts a new list",
+    "*progress": "the current run's progress bar; every run makes its own",
+    "*_epoch_batches": "a cache of the current epoch's batches, recomputed from the seed and the epoch",
 }
 
 WORDS = ["cat", "dog", "sun", "moon"]

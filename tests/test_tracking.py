@@ -1,5 +1,6 @@
 """comlrl.tracking: an MLflow outage never stops training; the backlog arrives when it is back
-(against a real server: tests/test_tracking_outage.py)."""
+(against a real server: tests/test_tracking_outage.py; faults in the spool and the commands:
+tests/test_tracking_faults.py)."""
 
 from __future__ import annotations
 
@@ -38,19 +39,23 @@ def test_metrics_sent_during_an_outage_wait_in_the_spool_and_are_delivered_after
     assert sorted((m.step, m.value) for m in history) == [(1, 0.1), (2, 0.2), (3, 0.3)]
 
 
-def test_a_send_costs_a_queue_append(tmp_path):
+def test_a_send_is_on_disk_when_it_returns_and_never_waits_for_the_server(tmp_path):
     pytest.importorskip("mlflow")
     down = {"run_id": "x", "tracking_uri": f"http://127.0.0.1:{closed_port()}"}
-    callback = tracking.MLflowCallback(down, spool_dir=tmp_path, drain_timeout=0.0)
-    seconds = []
-    for step in range(20_000):
+    callback = tracking.MLflowCallback(down, spool_dir=tmp_path, drain_timeout=0.0, retry_interval=60.0)
+    seconds, sizes = [], []
+    for step in range(500):
         before = time.perf_counter()
         callback.on_log(None, {"loss": float(step), "reward_mean": 0.5}, step)
         seconds.append(time.perf_counter() - before)
-    seconds.sort()  # a send that waited on the network would take milliseconds to seconds, every one
-    assert seconds[len(seconds) // 2] < 0.0005 and seconds[int(0.99 * len(seconds))] < 0.01, seconds[-5:]
+        sizes.append(callback.spool.path.stat().st_size)
+    assert all(later > earlier for earlier, later in zip(sizes, sizes[1:]))  # each step written before on_log returned
+    # One write and one fsync: about 0.25 ms on an idle disk, a few ms on a busy shared one
+    # (benchmarks/tracking_durability.py); never the seconds of MLflow's retries.
+    seconds.sort()
+    assert seconds[len(seconds) // 2] < 0.05, seconds[-5:]
     assert not callback.close(warn=False)
-    assert sum(len(record["metrics"]) for _, record in callback.spool.pending()) == 40_000  # all kept
+    assert sum(len(record["metrics"]) for _, record in callback.spool.pending()) == 1_000  # all kept
 
 
 def test_open_run_reuses_the_run_of_a_run_id_and_the_checkpoint_identity(tmp_path):

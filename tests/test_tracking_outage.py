@@ -72,6 +72,13 @@ class MLflowServer:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
+    def pause(self) -> None:
+        """SIGSTOP the whole group: connections are still accepted (by the kernel), never answered."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def unpause(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):

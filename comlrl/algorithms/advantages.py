@@ -49,20 +49,31 @@ def joint_index(num_agents: int, num_generations: int, mode: str) -> torch.Tenso
     raise ValueError(f"joint mode must be 'aligned' or 'cross', got {mode!r}")
 
 
-def agent_advantages(joint_advantages: torch.Tensor, index: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Credit each agent's completion with the mean advantage of the joint samples it is part of.
+def agent_advantages(joint_advantages: torch.Tensor, index: torch.Tensor, num_generations: int,
+                     kept: torch.Tensor | None = None) -> torch.Tensor:
+    """Credit each agent's completion with the mean advantage of the kept joint samples it is part of.
 
     ``joint_advantages`` is ``[num_groups, num_joint]`` and ``index`` comes from
     :func:`joint_index`; the result is ``[num_agents, num_groups, num_generations]``.
+    ``kept`` (``[num_groups, num_joint]`` booleans, default all) marks the joint samples that count:
+    a dropped one (``invalid_reward="drop"``) has no advantage to give, so it is left out of the mean
+    rather than counted as 0; a completion whose joints were all dropped gets 0.
     With aligned joints this is the joint advantage itself.
     """
-    num_groups, _ = joint_advantages.shape
+    num_groups, num_joint = joint_advantages.shape
+    if kept is None:
+        kept = torch.ones(num_groups, num_joint, dtype=torch.bool)
+    if kept.shape != joint_advantages.shape:
+        raise ValueError(f"kept has shape {tuple(kept.shape)}, the joint advantages {tuple(joint_advantages.shape)}; "
+                         "give one flag per joint sample")
     num_agents = index.shape[1]
+    weights = kept.to(joint_advantages.dtype)
+    credited = torch.where(kept, joint_advantages, torch.zeros_like(joint_advantages))
     out = torch.zeros(num_agents, num_groups, num_generations, dtype=joint_advantages.dtype)
-    counts = torch.zeros(num_agents, 1, num_generations, dtype=joint_advantages.dtype)
+    counts = torch.zeros(num_agents, num_groups, num_generations, dtype=joint_advantages.dtype)
     for agent in range(num_agents):
-        out[agent].index_add_(1, index[:, agent], joint_advantages)
-        counts[agent, 0].index_add_(0, index[:, agent], torch.ones(index.shape[0], dtype=joint_advantages.dtype))
+        out[agent].index_add_(1, index[:, agent], credited)
+        counts[agent].index_add_(1, index[:, agent], weights)
     return out / counts.clamp(min=1)
 
 

@@ -58,16 +58,21 @@ def joint_dpo_loss(own: torch.Tensor, others: torch.Tensor, beta: float) -> torc
     return -F.logsigmoid(beta * joint).mean()
 
 
-def dpo_statistics(joint_differences: torch.Tensor, beta: float) -> dict[str, float]:
+def dpo_statistics(joint_differences: torch.Tensor, beta: float, normaliser: float | None = None) -> dict[str, float]:
     """What a DPO step reports about its pairs (``joint_differences``: the summed ``delta`` per pair).
 
     ``loss`` the joint DPO loss, ``accuracy`` the share of pairs whose implicit reward
     ``beta * delta`` ranks the chosen response first (ties count half), ``margin`` the mean implicit
-    reward margin.
+    reward margin: sums over the pairs divided by ``normaliser`` (default: their number). Under data
+    parallelism each process passes its own pairs and the mean pair count over the processes, so the
+    plain mean of the processes' values is the statistic over all their pairs (a process without
+    pairs reports zeros). With nothing to normalise by (no pairs anywhere) there is no statistic:
+    ``{}``, never NaN.
     """
-    if joint_differences.numel() == 0:
-        return {"loss": float("nan"), "accuracy": float("nan"), "margin": float("nan")}
-    margins = beta * joint_differences.detach().float()
+    count = float(joint_differences.numel()) if normaliser is None else float(normaliser)
+    if count <= 0:
+        return {}
+    margins = beta * joint_differences.detach().float().reshape(-1)
     wins = (margins > 0).float() + 0.5 * (margins == 0).float()
-    return {"loss": float(-F.logsigmoid(margins).mean()), "accuracy": float(wins.mean()),
-            "margin": float(margins.mean())}
+    return {"loss": float(-F.logsigmoid(margins).sum() / count), "accuracy": float(wins.sum() / count),
+            "margin": float(margins.sum() / count)}

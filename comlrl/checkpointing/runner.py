@@ -70,6 +70,8 @@ class CheckpointRunner:
             self.on_main(lambda: self.recovered.extend(recovery.recover(self.checkpoint_dir)))
         self.resume_path = self._resolve_resume(resume_from_checkpoint)
         self.last_saved: int | None = None
+        self.last_path: Path | None = None  # the newest checkpoint written or resumed from
+        self.last_position: tuple[int, int] | None = None  # its (boundaries, global step)
         self.failures = 0
 
     def on_main(self, work: Callable[[], Any]) -> None:
@@ -104,6 +106,8 @@ class CheckpointRunner:
             self.load(contents)
             self.parent_lineage = contents.metadata.get("lineage")
             self.last_saved = contents.metadata["boundary"]
+            self.last_path = self.resume_path
+            self.last_position = (contents.metadata["state"]["boundaries"], contents.metadata["state"]["global_step"])
             state = contents.metadata["state"]
             position = io.checkpoint_order(self.resume_path) or (state["boundaries"], state["global_step"])
         else:
@@ -146,26 +150,32 @@ class CheckpointRunner:
             if fingerprint != metadata["models"][name]:
                 refuse(f"{name}: {_describe_shape_difference(metadata['models'][name], fingerprint)}")
         trainer.check_resume_progress(metadata["state"])
-        total = getattr(trainer, "total_boundaries", None)
-        if callable(total) and metadata["state"]["boundaries"] > total():
+        total = trainer.total_boundaries()
+        if metadata["state"]["boundaries"] > total:
             refuse(f"it has completed {metadata['state']['boundaries']} boundaries ({metadata['boundary_kind']}) "
-                   f"but this run plans {total()}; the run's length counts the whole run, so raise it")
+                   f"but this run plans {total}; the run's length counts the whole run, so raise it")
 
     # ----- save -------------------------------------------------------------------------------
-    def on_boundary(self) -> None:
+    def on_boundary(self) -> Path | None:
+        """The checkpoint of the boundary just completed, when ``checkpoint_interval`` says so (else None)."""
         boundary = self.trainer.state.boundaries
         if self.checkpoint_dir is not None and boundary % self.interval == 0:
-            self.save()
+            return self.save()
+        return None
 
-    def end(self) -> None:
+    def end(self) -> Path | None:
+        """The final checkpoint, unless the last boundary's is already written."""
         if self.checkpoint_dir is not None and self.last_saved != self.trainer.state.boundaries:
-            self.save()
+            return self.save()
+        return None
 
     def save_interrupted(self) -> str | None:
         """A checkpoint between boundaries (after a stop request or a run-ending error)."""
         if self.checkpoint_dir is None:
             return None
         state = self.trainer.state
+        if self.last_path is not None and self.last_position == (state.boundaries, state.global_step):
+            return str(self.last_path)  # the newest checkpoint already holds exactly this state
         path = self.save(f"{io.CHECKPOINT_PREFIX}{state.boundaries}-step{state.global_step}")
         return str(path) if path is not None else None
 
@@ -215,6 +225,8 @@ class CheckpointRunner:
         }
         path = io.write_checkpoint(self.checkpoint_dir, name, modules, state, metadata, history)
         self.last_saved = trainer.state.boundaries
+        self.last_path = path
+        self.last_position = (trainer.state.boundaries, trainer.state.global_step)
         if self.save_total_limit is not None:
             io.prune(self.checkpoint_dir, self.save_total_limit, spare=self.resume_path)
         return path

@@ -24,7 +24,7 @@ from comlrl.parallel.device import resolve_device
 from comlrl.parallel.distributed import DataParallel
 from comlrl.models.entities import load_causal_lm, load_tokenizer, prepare_tokenizer
 from comlrl.models.export import save_value_head
-from comlrl.rollout.preferences import joint_input_sections
+from comlrl.rollout.preferences import agent_tag, joint_input_sections
 from comlrl.training.optimizer_step import ModelOptimizer, OptimizerSettings
 from comlrl.models.value_heads import attach_value_head, sequence_values
 
@@ -68,6 +68,35 @@ def fair_shares(lengths: Sequence[int], budget: int) -> list[int]:
     return kept
 
 
+def budget_problem(max_length: int, tag_lengths: Sequence[int]) -> str | None:
+    """Why ``max_length`` cannot hold a truncated joint response (None when it can): the agent tags are kept
+    whole, and every agent's completion must keep at least one token, or two joint responses that differ
+    only past the cut encode identically (and the reward model cannot tell them apart)."""
+    needed = sum(tag_lengths) + len(tag_lengths)
+    if max_length >= needed:
+        return None
+    return (f"reward_max_length={max_length} leaves no room for content: the {len(tag_lengths)} agent tags take "
+            f"{sum(tag_lengths)} tokens ({', '.join(str(n) for n in tag_lengths)}) and every agent's completion needs "
+            f"at least one more, so the reward model would read prompt-less, completion-less joint responses (chosen "
+            f"and rejected identical); set reward_max_length to at least {needed} (better: room for the prompt and "
+            "the completions, e.g. the longest joint response you expect), or None for no truncation")
+
+
+def joint_tag_lengths(tokenizer: PreTrainedTokenizerBase, num_agents: int) -> list[int]:
+    """Tokens of each agent's tag in a joint response, as :meth:`JointRewardModel.encode_joint` tokenizes it."""
+    return [len(tokenizer(agent_tag(index), add_special_tokens=False)["input_ids"]) for index in range(num_agents)]
+
+
+def check_joint_budget(tokenizer: PreTrainedTokenizerBase, num_agents: int, max_length: int | None) -> None:
+    """Raise (before any work) when ``max_length`` cannot hold ``num_agents`` agents' tags and one token of
+    each completion (:func:`budget_problem`)."""
+    if max_length is None:
+        return
+    problem = budget_problem(max_length, joint_tag_lengths(tokenizer, num_agents))
+    if problem:
+        raise ValueError(problem)
+
+
 def joint_token_budget(
     prompt_length: int, tag_lengths: Sequence[int], completion_lengths: Sequence[int], max_length: int | None
 ) -> tuple[int, list[int]]:
@@ -76,16 +105,15 @@ def joint_token_budget(
     Nothing is cut when it all fits (or ``max_length`` is None). Otherwise the agent tags are
     kept whole and the ``room = max_length - sum(tag_lengths)`` left is split: the prompt gives
     way first, down to a floor of ``room // (num_agents + 1)`` tokens (all of it if shorter);
-    the completions share the rest by :func:`fair_shares`. Tags longer than ``max_length`` fail.
+    the completions share the rest by :func:`fair_shares`. A budget without room for one token of
+    every completion fails (:func:`budget_problem`).
     """
     if max_length is None or prompt_length + sum(tag_lengths) + sum(completion_lengths) <= max_length:
         return prompt_length, list(completion_lengths)
+    problem = budget_problem(max_length, tag_lengths)
+    if problem:
+        raise ValueError(problem)
     room = max_length - sum(tag_lengths)
-    if room < 0:
-        raise ValueError(
-            f"reward_max_length={max_length} cannot hold the {len(tag_lengths)} agent tags "
-            f"({sum(tag_lengths)} tokens); raise it"
-        )
     floor = room // (len(completion_lengths) + 1)
     prompt_kept = min(prompt_length, max(floor, room - sum(completion_lengths)))
     return prompt_kept, fair_shares(completion_lengths, room - prompt_kept)
@@ -130,7 +158,12 @@ class JointRewardModel(torch.nn.Module):
     representation the critics use; the head is registered here so ``parameters()`` covers it.
     """
 
-    def __init__(self, backbone: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_length: int | None = None):
+    def __init__(self, backbone: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_length: int | None = None,
+                 num_agents: int | None = None):
+        """``num_agents`` (when known) checks now that ``max_length`` holds every agent's tag and some content
+        (:func:`check_joint_budget`); encoding checks it again on every truncated joint response."""
+        if num_agents is not None:
+            check_joint_budget(tokenizer, num_agents, max_length)
         super().__init__()
         self.backbone = backbone
         self.value_head = backbone.value_head if hasattr(backbone, "value_head") else attach_value_head(backbone)
@@ -145,12 +178,16 @@ class JointRewardModel(torch.nn.Module):
         dtype: torch.dtype,
         max_length: int | None = None,
         trust_remote_code: bool = False,
+        num_agents: int | None = None,
     ) -> "JointRewardModel":
-        """The backbone from ``source`` with its own tokenizer and a new scalar head."""
+        """The backbone from ``source`` with its own tokenizer and a new scalar head; with ``num_agents`` the
+        budget ``max_length`` is checked (:func:`check_joint_budget`) before the backbone loads."""
         tokenizer = prepare_tokenizer(load_tokenizer(source, trust_remote_code), "the reward model")
+        if num_agents is not None:
+            check_joint_budget(tokenizer, num_agents, max_length)
         backbone = load_causal_lm(source, device, dtype, trust_remote_code)
         attach_value_head(backbone)
-        return cls(backbone, tokenizer, max_length)
+        return cls(backbone, tokenizer, max_length, num_agents)
 
     @property
     def device(self) -> torch.device:

@@ -1,63 +1,47 @@
-"""What every trainer shares: entities, data, rewards, optimisers, the epoch loop, logging, export.
+"""What every trainer that owns its agents shares: entities, data, rewards, optimisers, evaluation, state, export.
 
-A concrete trainer declares its step as ``step_stages``, a short sequence of public stage
-methods (rollout -> score -> advantages -> update); :meth:`MultiAgentTrainer.train_step` runs
-them in order, and the Prefect flows run the same :class:`Stage` list one task per stage
-through :meth:`MultiAgentTrainer.run_stage`, so the library loop and the pipeline never diverge.
+The steps and epochs are :class:`~comlrl.trainers.epochs.EpochSteps`'; the loop around them
+(checkpoints, signals, failures) is :mod:`comlrl.training.run`, the same for ``train()`` and the flows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
 from comlrl.models import entities
 from comlrl.algorithms.advantages import tree_returns
-from comlrl.callbacks import TrainerCallback, dispatch
-from comlrl.data import batches, check_dataset, epoch_order, format_prompt, resolve_formatters
+from comlrl.callbacks import TrainerCallback
+from comlrl.data import batches, check_dataset, format_prompt, resolve_formatters
 from comlrl.parallel import distributed, sharding
 from comlrl.models import lora
-from comlrl.parallel.memory import device_memory_metrics, enable_gradient_checkpointing, resolve_precision
+from comlrl.parallel.memory import enable_gradient_checkpointing, resolve_precision
 from comlrl.training.mixed_precision import compute_dtype, sampling_models
 from comlrl.training.reference import ReferencePolicy, ReferenceTerms, reference_terms
-from comlrl.parallel.placement import (AgentMap, devices_of, local_gpus, map_by_device, private_tokenizers, resolve_placement,
-                              runs_concurrently)
-from comlrl.errors import NonFiniteTrainingError, TrainingInterrupted
+from comlrl.parallel.placement import (AgentMap, devices_of, local_gpus, map_by_device, resolve_placement,
+                                       runs_concurrently)
+from comlrl.parallel.placement import private_tokenizers as private_copies
+from comlrl.errors import NonFiniteTrainingError
 from comlrl.models.export import save_pretrained_models
-from comlrl.training.metrics import MetricWindow
 from comlrl.rollout.rewards import JointReward
 from comlrl.rollout.episodes import Rollout, RolloutSpec, rollout_episodes, score_rollout
 from comlrl.rollout.generation import context_length
 from comlrl.training.seeding import capture_rng_state, restore_rng_state, set_seed
 from comlrl.trainers.config import RolloutConfig
 from comlrl.tracking_wandb import wandb_callback
-from comlrl.training.loop import TrainerState, TrainingLoop
+from comlrl.training.loop import TrainerState
+from comlrl.trainers.epochs import EpochSteps, activity
 from comlrl.training.optimizer_step import (ModelOptimizer, OptimizerSettings, StepResult,
                                             planned_optimizer_steps)
 
 logger = logging.getLogger(__name__)
 
 MODEL_CONFIG_KEYS = {"dtype", "attn_implementation"}
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage of a training step: ``values[output] = trainer.<method>(*values[inputs])``.
-
-    ``values`` starts as ``{"rows": rows}``; ``timing`` names the metric its wall time adds to.
-    """
-
-    method: str
-    inputs: tuple[str, ...]
-    output: str
-    timing: str | None = None
 
 
 def resolve_num_samples(num_samples: int | None, num_eval_samples: int | None) -> int | None:
@@ -82,7 +66,7 @@ class CallbackSample:
     metadata: dict[str, Any]
 
 
-class MultiAgentTrainer(TrainingLoop):
+class MultiAgentTrainer(EpochSteps):
     """Base of the trainers that own their agents. Subclasses set ``config_class`` and ``step_stages``."""
 
     config_class: type[RolloutConfig] = RolloutConfig
@@ -184,7 +168,7 @@ class MultiAgentTrainer(TrainingLoop):
         self.agents = self.prepare_agents(loaded.models)
         self.check_context(self.agents)
         concurrent = runs_concurrently(self.agent_devices)
-        self.tokenizers = private_tokenizers(loaded.tokenizers) if concurrent else loaded.tokenizers
+        self.tokenizers = private_copies(loaded.tokenizers) if concurrent else loaded.tokenizers
         self.agent_sources = loaded.sources
         # Frozen reference policies of the KL penalty (None without reference_kl_enabled).
         self.references = self.build_references(sources)
@@ -199,6 +183,7 @@ class MultiAgentTrainer(TrainingLoop):
         self.model_optimizers: dict[str, ModelOptimizer] = self.build_agent_optimizers()
         self.state = self.new_state()
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
+        self.evaluator = None  # what the eval_interval cadence calls (use_evaluator); None: evaluate()
 
     # ----- the training data -----------------------------------------------------------------
     @property
@@ -294,11 +279,6 @@ class MultiAgentTrainer(TrainingLoop):
         return ModelOptimizer(name, module, list(parameters), learning_rate, self.planned_steps(passes),
                               self.optimizer_settings, passes)
 
-    # Times the run's epochs repeat (MARLHFIterTrainer's policy stage: once per iteration).
-    schedule_repeats = 1
-    # Fields added to every history row (a preference run's policy stage: its iteration).
-    history_tags: dict[str, Any] = {}
-
     def planned_steps(self, passes: int) -> int:
         """Optimizer steps a model with ``passes`` micro-batches per rollout batch takes over the run."""
         return planned_optimizer_steps(self.args.num_train_epochs * self.schedule_repeats, self.batches_per_epoch(),
@@ -309,6 +289,21 @@ class MultiAgentTrainer(TrainingLoop):
         self.schedule_repeats = repeats
         for component in self.model_optimizers.values():
             component.replan(self.planned_steps(component.passes))
+
+    def use_reward(self, reward: JointReward) -> JointReward:
+        """Train on ``reward`` from now on (a preference run's learned reward); returns the reward it replaces."""
+        if not isinstance(reward, JointReward):
+            raise TypeError(f"use_reward needs a JointReward, got {type(reward).__name__}")
+        previous, self.reward = self.reward, reward
+        return previous
+
+    def run_agents_with(self, agent_map: AgentMap, private_tokenizers: bool = False) -> None:
+        """Route per-agent work (generation, backward passes) through ``agent_map`` (see
+        :data:`comlrl.parallel.placement.AgentMap`); ``private_tokenizers`` gives each agent its own
+        tokenizer copies, as work on several threads needs (fast tokenizers are not thread-safe)."""
+        self.agent_map = agent_map
+        if private_tokenizers:
+            self.tokenizers = private_copies(self.tokenizers)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -325,13 +320,6 @@ class MultiAgentTrainer(TrainingLoop):
         if self.train_dataset is None:  # planned again when the dataset is set
             return 0
         return len(batches(list(range(len(self.train_dataset))), self.global_batch_size))
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        """This process's prompts of every global batch of ``epoch`` (all of them in one process)."""
-        order = epoch_order(len(self.train_dataset), self.args.seed, epoch, self.args.shuffle)
-        return [self.data_parallel.shard(batch) for batch in batches(order, self.global_batch_size)]
-
-    step_stages: tuple[Stage, ...] = ()
 
     def build_references(self, sources: list[Any]) -> list[ReferencePolicy] | None:
         """The KL penalty's references (:meth:`frozen_references`), None without ``reference_kl_enabled``."""
@@ -393,93 +381,6 @@ class MultiAgentTrainer(TrainingLoop):
         if reward is not None and not isinstance(reward, JointReward):
             reward = JointReward(reward)
         return score_rollout(rollout, reward or self.reward)
-
-    def begin_step(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """The values a step's stages read and write, starting from the batch's rows."""
-        self.reward.drain_monitor_metrics()  # discard what evaluation may have left
-        return {"rows": rows, "step_started": time.perf_counter(), "timings": {}}
-
-    def run_stage(self, stage: Stage, values: dict[str, Any]) -> Any:
-        """Run one stage on ``values`` (in place), adding its wall time to ``values["timings"]``."""
-        started = time.perf_counter()
-        values[stage.output] = getattr(self, stage.method)(*(values[name] for name in stage.inputs))
-        if stage.timing:
-            timings = values["timings"]
-            timings[stage.timing] = timings.get(stage.timing, 0.0) + time.perf_counter() - started
-        return values[stage.output]
-
-    def step_metrics(self, values: dict[str, Any]) -> dict[str, float]:
-        raise NotImplementedError
-
-    def train_step(self, rows: list[dict[str, Any]]) -> dict[str, float]:
-        """One step: every stage of ``step_stages`` in order, then the step's metrics."""
-        values = self.begin_step(rows)
-        for stage in self.step_stages:
-            self.run_stage(stage, values)
-        return self.step_metrics(values)
-
-    def run_boundaries(self, runner: Any) -> None:
-        """Every remaining boundary (here: epochs), calling ``runner.on_boundary()`` after each."""
-        window = MetricWindow()
-        total = self.args.num_train_epochs * self.batches_per_epoch()
-        hidden = self.args.disable_tqdm or not self.data_parallel.is_main
-        progress = tqdm(total=total, initial=self.state.global_step, disable=hidden, desc="train")
-        try:
-            while self.state.epoch < self.args.num_train_epochs:
-                self.run_epoch(window, progress)
-                runner.on_boundary()
-        finally:
-            progress.close()
-
-    def run_epoch(self, window: MetricWindow, progress: Any = None) -> None:
-        """One epoch from ``state.step_in_epoch``; advances ``state.epoch`` when complete."""
-        for rows in self.epoch_rows():
-            self.record_step(self.train_step(rows), window, progress)
-        self.end_epoch()
-
-    def epoch_rows(self) -> list[list[dict[str, Any]]]:
-        """The rows of every batch left in the current epoch (from ``state.step_in_epoch``)."""
-        remaining = self.epoch_batches(self.state.epoch)[self.state.step_in_epoch:]
-        return [[self.train_dataset[int(index)] for index in batch] for batch in remaining]
-
-    def record_step(self, metrics: dict[str, float], window: MetricWindow, progress: Any = None) -> None:
-        """Count a finished step: monitor metrics, progress, history, callbacks, periodic evaluation."""
-        metrics.update(self.reward.drain_monitor_metrics())
-        metrics.update({"reward/dropped": float(self.reward.dropped), "nonfinite_updates": float(self.state.nonfinite_updates)})
-        metrics = self.data_parallel.average_metrics(metrics)
-        metrics.update(device_memory_metrics(self.model_devices()))
-        self.state.step_in_epoch += 1
-        self.state.global_step += 1
-        self.state.history.append({"step": self.state.global_step, "epoch": self.state.epoch, **self.history_tags,
-                                   **metrics})
-        self._log(window, metrics)
-        self._maybe_evaluate()
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(reward=f"{metrics.get('reward_mean', float('nan')):.3f}")
-        request = getattr(self, "stop_request", None)
-        if request is not None and request.requested:
-            raise TrainingInterrupted(f"{request.signal_name} received: stopped after step {self.state.global_step}")
-
-    def end_epoch(self) -> None:
-        self.flush_optimizers()
-        self.state.epoch += 1
-        self.state.step_in_epoch = 0
-        self.state.boundaries += 1
-        dispatch(self.callbacks, "on_epoch_end", self, self.state.epoch)
-
-    def _log(self, window: MetricWindow, metrics: dict[str, float]) -> None:
-        window.add(metrics)
-        if self.state.global_step % self.args.logging_steps == 0:
-            averaged = window.flush()
-            logger.info("step %d: %s", self.state.global_step, averaged)
-            dispatch(self.callbacks, "on_log", self, averaged, self.state.global_step)
-
-    def _maybe_evaluate(self) -> None:
-        interval = self.args.eval_interval
-        if self.eval_dataset is not None and interval and self.state.global_step % interval == 0:
-            metrics = self.evaluate()
-            dispatch(self.callbacks, "on_log", self, metrics, self.state.global_step)
 
     def rollout_metrics(self, rollout: Any, rewards: list[torch.Tensor]) -> dict[str, float]:
         """Reward and completion-length metrics of a rollout (dropped, NaN rewards left out)."""
@@ -553,17 +454,29 @@ class MultiAgentTrainer(TrainingLoop):
         if dataset is None:
             raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
         count = min(num_samples or self.args.eval_num_samples, len(dataset))
-        rows = [dataset[i] for i in range(count)]
-        devices = sorted({d.index or 0 for d in self.model_devices() if d.type == "cuda"})
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.args.seed + 1)
-            rollout = self.rollout(rows, row_labels=list(range(count)))
-            rewards = self.score(rollout, reward)
+        with activity("evaluate"):
+            rollout, [rewards] = self.evaluation_rollout([dataset[i] for i in range(count)], [reward])
         metrics = self.rollout_metrics(rollout, rewards)
         metrics.update((reward or self.reward).drain_monitor_metrics())
         if self.eval_logger is not None and self.eval_aggregator is not None:
             metrics.update(self.logged_eval_metrics(rollout))
         return {f"eval/{name}": value for name, value in metrics.items()}
+
+    def evaluation_rollout(self, rows: list[Any], rewards: Sequence[JointReward | None]
+                           ) -> tuple[Rollout, list[list[torch.Tensor]]]:
+        """One rollout of ``rows`` under the evaluation seed, inside a forked RNG (every GPU in use
+        included, so training is unaffected), scored by each of ``rewards`` (None: the trainer's)."""
+        devices = sorted({d.index or 0 for d in self.model_devices() if d.type == "cuda"})
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.args.seed + 1)
+            rollout = self.rollout(rows, row_labels=list(range(len(rows))))
+            return rollout, [self.score(rollout, reward) for reward in rewards]
+
+    def sample_rewards(self, dataset: Any, rewards: Sequence[JointReward]) -> list[torch.Tensor]:
+        """Every row of ``dataset`` sampled once as :meth:`evaluate` samples, scored by each of ``rewards``:
+        the first turn's joint rewards, ``[rows, joint samples]``, per reward."""
+        _, scored = self.evaluation_rollout([dataset[i] for i in range(len(dataset))], list(rewards))
+        return [turns[0] for turns in scored]
 
     def logged_eval_metrics(self, rollout: Rollout) -> dict[str, Any]:
         """``eval_aggregator(eval_logger(...), num_turns=...)`` on one path per row (the first joint sample
@@ -613,10 +526,6 @@ class MultiAgentTrainer(TrainingLoop):
             )
 
     # ----- state (see comlrl.checkpointing.runner) -------------------------------------------
-    boundary_kind = "epoch"
-    # Whether a stop between boundaries may be checkpointed (the loop can resume mid-epoch).
-    supports_mid_boundary_checkpoints = True
-
     def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
         """Every trained model, by name: their weights are the checkpoint's ``models/<name>.safetensors``."""
         return {f"agent_{i}": agent for i, agent in enumerate(self.agents)}

@@ -1,22 +1,26 @@
-"""What every trainer's ``train()`` shares: seeding or resuming, the boundaries, checkpoints, a graceful stop.
+"""The training loop's protocol: what a trainer provides so that one loop (:mod:`comlrl.training.run`)
+can drive it, from ``train()`` or from a Prefect flow alike.
 
-A trainer built on :class:`TrainingLoop` provides ``args`` (with ``seed``), ``state`` (a
-:class:`TrainerState`), ``data_parallel``, ``callbacks``, ``run_identity`` and
-:meth:`TrainingLoop.run_boundaries`, plus what the checkpoint runner reads
-(:mod:`comlrl.checkpointing.runner`): ``checkpoint_modules()``, ``state_dict()`` /
-``load_state_dict()``, ``compat_settings()`` and ``check_resume_progress()``.
+A run is a sequence of **boundaries**, each ending in a possible checkpoint: an epoch (its steps,
+then the epoch's end) or a PbRL stage (one call). A trainer built on :class:`TrainingLoop` provides
+
+- ``plan_boundaries(args)`` (a classmethod: the plan needs no model) and ``state`` (a :class:`TrainerState`);
+- ``steps_left()``, ``take_step(window, progress)`` and ``close_boundary()``: the steps of the
+  current boundary one at a time, then its end (an epoch's end, or the whole PbRL stage);
+- ``recover_after_failure()``: whether its state is consistent after an exception ended a step;
+- ``history`` and ``evaluations``: the per-step metrics and the evaluations made so far;
+- what the checkpoint runner reads (:mod:`comlrl.checkpointing.runner`): ``checkpoint_modules()``,
+  ``state_dict()`` / ``load_state_dict()``, ``compat_settings()`` and ``check_resume_progress()``.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-from comlrl.callbacks import dispatch
-from comlrl.errors import TrainingStopped
-from comlrl.training.seeding import set_seed
-from comlrl.training.signals import StopRequest, stop_on_signals
+from comlrl.training.seeding import capture_rng_state, restore_rng_state
+from comlrl.training.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +36,77 @@ class TrainerState:
     nonfinite_updates: int = 0
     consecutive_nonfinite: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One boundary of a run's plan: an epoch (``stage`` None) or a PbRL stage of an iteration."""
+
+    number: int  # 1-based
+    total: int
+    stage: str | None = None  # a PbRL stage's method name
+    iteration: int | None = None  # 1-based PbRL iteration
+
+    @property
+    def kind(self) -> str:
+        return "epoch" if self.stage is None else "pbrl_stage"
+
+    @property
+    def label(self) -> str:
+        if self.stage is None:
+            return f"epoch {self.number}"
+        return f"iteration {self.iteration} · {self.stage.replace('_', ' ')}"
+
+
+def epoch_plan(num_epochs: int) -> list[Boundary]:
+    return [Boundary(number, num_epochs) for number in range(1, num_epochs + 1)]
+
+
+def stage_plan(stages: tuple[str, ...], iterations: int) -> list[Boundary]:
+    total = len(stages) * iterations
+    return [Boundary(number, total, stages[(number - 1) % len(stages)], (number - 1) // len(stages) + 1)
+            for number in range(1, total + 1)]
+
+
+class StepGuard:
+    """Where an exception would leave a trainer: between steps (consistent), inside a step before
+    any update (consistent again once the step's starting RNGs and counters are put back), or
+    inside an update (weights, gradients or optimizer states half changed: not consistent).
+
+    The step's owner calls :meth:`begin` with what restores its starting point, :meth:`updating`
+    when the step starts changing weights or gradients, and :meth:`end` once the step is counted.
+    """
+
+    def __init__(self) -> None:
+        self._restore: Callable[[], None] | None = None
+        self._inside = False
+
+    def begin(self, restore: Callable[[], None]) -> None:
+        self._inside, self._restore = True, restore
+
+    def updating(self) -> None:
+        self._restore = None
+
+    def end(self) -> None:
+        self._inside, self._restore = False, None
+
+    def recover(self) -> bool:
+        """After an exception: put the step's starting point back if that makes the state consistent;
+        whether the state is now consistent (a checkpoint of it continues the run exactly)."""
+        if not self._inside:
+            return True
+        restore, self._restore = self._restore, None
+        self._inside = False
+        if restore is None:
+            return False
+        restore()
+        return True
+
+
+def rng_restorer() -> Callable[[], None]:
+    """A function that puts every RNG back to its state now."""
+    state = capture_rng_state()
+    return lambda: restore_rng_state(state)
 
 
 def resolve_total_limit(checkpoint_total_limit: int | None, save_total_limit: int | None) -> int | None:
@@ -50,19 +125,85 @@ def resolve_total_limit(checkpoint_total_limit: int | None, save_total_limit: in
 
 
 class TrainingLoop:
-    """``train()``: begin (seed or resume), every remaining boundary with its checkpoint, end."""
+    """``train()`` and :meth:`start_run`: the one loop over a trainer's boundaries (see the module docstring)."""
 
     boundary_kind = "epoch"
     # Whether a stop between boundaries may be checkpointed (the loop can resume mid-boundary).
     supports_mid_boundary_checkpoints = True
     stop_request: StopRequest | None = None
 
-    def run_boundaries(self, runner: Any) -> None:
+    # ----- what a trainer provides ------------------------------------------------------------------
+    @classmethod
+    def plan_boundaries(cls, args: Any) -> list[Boundary]:
+        """Every boundary of a run with config ``args`` (no model is needed)."""
         raise NotImplementedError
+
+    def boundary_plan(self) -> list[Boundary]:
+        return self.plan_boundaries(self.args)
+
+    def total_boundaries(self) -> int:
+        return len(self.boundary_plan())
+
+    def steps_left(self) -> int:
+        """Training steps left in the current boundary before :meth:`close_boundary` (0 for a PbRL stage)."""
+        raise NotImplementedError
+
+    def take_step(self, window: Any, progress: Any = None) -> None:
+        """The next training step of the current boundary, counted and recorded."""
+        raise NotImplementedError
+
+    def close_boundary(self) -> dict[str, float]:
+        """End the current boundary (an epoch's end, or a whole PbRL stage); the stage's metrics."""
+        raise NotImplementedError
+
+    def recover_after_failure(self) -> bool:
+        """After an exception: whether the state is consistent (see :class:`StepGuard`)."""
+        return self.step_guard.recover()
+
+    def planned_training_steps(self) -> int:
+        """Training steps of the whole run (the progress bar's total)."""
+        raise NotImplementedError
+
+    def on_run_begin(self, resuming: bool) -> None:
+        """Hook: the run has been seeded or restored, before ``on_train_begin``."""
+
+    def on_run_end(self) -> None:
+        """Hook: every boundary is done, before the final checkpoint."""
 
     def watch_stop(self, request: StopRequest) -> None:
         """Where the steps look for a stop request (SIGTERM/SIGINT)."""
         self.stop_request = request
+
+    @property
+    def preference_pairs(self) -> Any:
+        """The preference pairs collected so far (a ``datasets.Dataset``); None for trainers without."""
+        return None
+
+    @property
+    def step_guard(self) -> StepGuard:
+        guard = self.__dict__.get("_step_guard")
+        if guard is None:
+            guard = self.__dict__["_step_guard"] = StepGuard()
+        return guard
+
+    # ----- the loop ------------------------------------------------------------------------------------
+    def start_run(
+        self,
+        resume_from_checkpoint: Any = None,
+        checkpoint_dir: Any = None,
+        checkpoint_interval: int = 1,
+        checkpoint_total_limit: int | None = None,
+        save_total_limit: int | None = None,
+        progress_bar: bool | None = None,
+    ) -> Any:
+        """Seed a fresh run or restore a checkpoint; returns the :class:`~comlrl.training.run.TrainingRun`
+        that runs the boundaries (``train()`` runs them all; a flow runs them a task at a time)."""
+        from comlrl.training.run import TrainingRun
+
+        return TrainingRun.start(self, resume_from_checkpoint=resume_from_checkpoint, checkpoint_dir=checkpoint_dir,
+                                 checkpoint_interval=checkpoint_interval,
+                                 checkpoint_total_limit=checkpoint_total_limit, save_total_limit=save_total_limit,
+                                 progress_bar=progress_bar)
 
     def train(
         self,
@@ -75,24 +216,18 @@ class TrainingLoop:
         """Run every remaining boundary; returns the per-step metrics history.
 
         ``checkpoint_total_limit`` keeps only the newest N complete checkpoints (the one the
-        run resumed from is never deleted); ``save_total_limit`` is another name for it.
+        run resumed from is never deleted); ``save_total_limit`` is another name for it. A
+        SIGTERM/SIGINT finishes the step in progress, writes ``checkpoint-N-stepS`` and raises
+        :class:`~comlrl.errors.TrainingInterrupted`; an exception in a step before its update
+        does the same (see :meth:`comlrl.training.run.TrainingRun.abort`).
         """
-        runner = self.begin_training(
-            resume_from_checkpoint=resume_from_checkpoint, checkpoint_dir=checkpoint_dir,
-            checkpoint_interval=checkpoint_interval, checkpoint_total_limit=checkpoint_total_limit,
-            save_total_limit=save_total_limit,
-        )
-        with stop_on_signals() as request:
-            self.watch_stop(request)
-            try:
-                self.run_boundaries(runner)
-            except TrainingStopped as stopped:
-                stopped.checkpoint = runner.save_interrupted() if self.supports_mid_boundary_checkpoints else None
-                where = f"; resume from {stopped.checkpoint}" if stopped.checkpoint else ""
-                logger.error("%s%s", stopped, where)
-                raise
-        self.end_training(runner)
-        return self.state.history
+        with self.start_run(resume_from_checkpoint=resume_from_checkpoint, checkpoint_dir=checkpoint_dir,
+                            checkpoint_interval=checkpoint_interval, checkpoint_total_limit=checkpoint_total_limit,
+                            save_total_limit=save_total_limit) as run:
+            run.run_all()
+            if run.stopped is not None:
+                raise run.stopped
+            return run.finish()
 
     def check_can_train(self) -> None:
         """Refuse to start (before any work) when something training needs is missing: here, the training data."""
@@ -101,30 +236,3 @@ class TrainingLoop:
                 f"{type(self).__name__} has no train_dataset: give train_dataset= to the constructor or set "
                 "trainer.train_dataset before train()"
             )
-
-    def begin_training(
-        self,
-        resume_from_checkpoint: Any = None,
-        checkpoint_dir: Any = None,
-        checkpoint_interval: int = 1,
-        checkpoint_total_limit: int | None = None,
-        save_total_limit: int | None = None,
-    ) -> Any:
-        """Seed a fresh run or restore a checkpoint, then ``on_train_begin``; returns the
-        :class:`~comlrl.checkpointing.runner.CheckpointRunner` that saves the boundaries."""
-        from comlrl.checkpointing.runner import CheckpointRunner
-
-        limit = resolve_total_limit(checkpoint_total_limit, save_total_limit)
-        self.check_can_train()
-        runner = CheckpointRunner(self, checkpoint_dir=checkpoint_dir, checkpoint_interval=checkpoint_interval,
-                                  resume_from_checkpoint=resume_from_checkpoint, save_total_limit=limit)
-        if runner.resume_path is None and self.state.global_step == 0 and self.state.boundaries == 0:
-            set_seed(self.args.seed)  # a fresh run is reproducible whatever ran before it
-        runner.begin()
-        self.data_parallel.seed(self.args.seed, self.state.global_step)
-        dispatch(self.callbacks, "on_train_begin", self)
-        return runner
-
-    def end_training(self, runner: Any) -> None:
-        runner.end()
-        dispatch(self.callbacks, "on_train_end", self)

@@ -10,12 +10,19 @@ schedule.
 Counting. ``gradient_accumulation_steps`` (A) counts backward passes ("micro-batches") per
 optimizer step; every update pass over a rollout batch is one micro-batch, so with P passes
 per batch and B batches per epoch an epoch takes ``ceil(B * P / A)`` optimizer steps: a
-trailing partial window is applied by :meth:`flush` with its gradient rescaled to the mean of
-the micro-batches it holds. The schedule is planned over the whole run
+trailing partial window is applied by :meth:`flush` with the mean gradient of what it holds.
+
+Weighting. A loss that is a mean over items (completions, completion tokens, preference pairs)
+registers each micro-batch's item count with :meth:`ModelOptimizer.item_loss_scale` before its
+backward pass: the window's gradient is then the mean over every item of the window, exactly
+what one batch of all of them gives, however unevenly they fall into micro-batches (token counts
+always differ). Other losses scale each micro-batch by :attr:`ModelOptimizer.loss_scale`
+(``1 / A``): the mean over micro-batches. The schedule is planned over the whole run
 (:func:`planned_optimizer_steps`), and it advances on every planned step, a skipped
 (non-finite) one included, so the LR at each step is where the plan puts it.
 
-State. :meth:`state_dict` holds the optimizer and schedule states, the counters and the
+State. :meth:`state_dict` holds the optimizer and schedule states, the counters (a counted window's
+items as their total over the processes) and the
 gradients of a window still pending (averaged over the processes, as the step would average them),
 so a checkpoint taken between two optimizer steps resumes exactly, in as many processes as it likes. Under FSDP the optimizer state is gathered to rank 0 (a collective: every rank calls
 it); a pending window of sharded gradients cannot be saved and raises an error naming the fix.
@@ -23,6 +30,7 @@ it); a pending window of sharded gradients cannot be saved and raises an error n
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -88,6 +96,8 @@ class ModelOptimizer:
         self.optimizer = build_adamw(parameters, learning_rate, settings.weight_decay)
         self.scheduler = self._build_scheduler()
         self.pending = 0  # micro-batches backpropagated since the last optimizer step
+        self.pending_items = 0.0  # items registered by the window's micro-batches (item_loss_scale)
+        self.counted = False  # whether this window's micro-batches registered their item counts
         self.steps = 0  # optimizer steps taken (skipped ones included)
         self.skipped = 0
         self.consecutive_skipped = 0
@@ -115,6 +125,25 @@ class ModelOptimizer:
         """Factor on each micro-batch's loss, so a full window's gradient is the mean over its micro-batches."""
         return 1.0 / self.settings.accumulation_steps
 
+    def item_loss_scale(self, count: float) -> float:
+        """Factor on the loss of a micro-batch that is a mean over ``count`` items (tokens, completions, pairs;
+        under data parallelism the mean count over the processes), called before its backward pass.
+
+        The gradient held so far is rescaled by ``N / (N + count)`` (``N`` the window's items so far) and the
+        factor is ``count / (N + count)``, so after the backward pass the gradient is the mean over every item
+        of the window: the same as one batch of them all. A micro-batch without items adds nothing (factor 0).
+        Every process calls it with the same count, items of its own or not, so the rescaling agrees.
+        """
+        if not math.isfinite(count) or count < 0:
+            raise ValueError(f"{self.name}: a micro-batch's item count must be a finite number >= 0, got {count!r}")
+        total = self.pending_items + count
+        if self.pending_items > 0 and count > 0:
+            for parameter in self._parameters_with_grad():
+                parameter.grad.mul_(self.pending_items / total)
+        self.pending_items = total
+        self.counted = True
+        return count / total if total > 0 else 0.0
+
     @property
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses (first parameter group)."""
@@ -128,10 +157,11 @@ class ModelOptimizer:
         return self._step()
 
     def flush(self) -> StepResult | None:
-        """Apply a partial window (end of an epoch), its gradient rescaled to the mean of what it holds."""
+        """Apply a partial window (end of an epoch) with the mean gradient of what it holds (a counted window
+        holds that mean already; an uncounted one is rescaled from ``1 / A`` per micro-batch)."""
         if self.pending == 0:
             return None
-        factor = self.settings.accumulation_steps / self.pending
+        factor = 1.0 if self.counted else self.settings.accumulation_steps / self.pending
         if factor != 1.0:
             for parameter in self._parameters_with_grad():
                 parameter.grad.mul_(factor)
@@ -158,6 +188,8 @@ class ModelOptimizer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.pending = 0
+        self.pending_items = 0.0
+        self.counted = False
         self.steps += 1
         self.skipped += 0 if finite else 1
         self.consecutive_skipped = 0 if finite else self.consecutive_skipped + 1
@@ -188,6 +220,9 @@ class ModelOptimizer:
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "pending": self.pending,
+            # over all processes (each holds the mean count): a resume in another number of processes goes on exactly
+            "pending_items": self.pending_items * self.settings.data_parallel.world_size,
+            "counted": self.counted,
             "steps": self.steps,
             "skipped": self.skipped,
             "consecutive_skipped": self.consecutive_skipped,
@@ -203,6 +238,9 @@ class ModelOptimizer:
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.pending = int(state["pending"])
+        # the window's items over all processes (absent from checkpoints before item counts), as a mean per process
+        self.pending_items = float(state.get("pending_items", 0.0)) / self.settings.data_parallel.world_size
+        self.counted = bool(state.get("counted", False))
         self.steps = int(state["steps"])
         self.skipped = int(state["skipped"])
         self.consecutive_skipped = int(state["consecutive_skipped"])
@@ -212,3 +250,26 @@ class ModelOptimizer:
             if name not in parameters:
                 raise ValueError(f"{where or self.name}: saved pending gradient for {name!r}, which the model lacks")
             parameters[name].grad = grad.to(device=parameters[name].device, dtype=parameters[name].dtype)
+
+    # ----- snapshots (the policy guard of preference runs) ---------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """This model's trainable weights and optimizer moments now (CPU copies), for :meth:`restore_snapshot`."""
+        if sharding.holds_shards(self.module):
+            raise RuntimeError(f"{self.name}: snapshots of sharded (FSDP) models are not supported")
+        parameters = {name: p.detach().cpu().clone() for name, p in self._named_parameters().items() if p.requires_grad}
+        return {"parameters": parameters, "moments": copy.deepcopy(self.optimizer.state_dict()["state"])}
+
+    @torch.no_grad()
+    def restore_snapshot(self, snapshot: dict[str, Any]) -> None:
+        """Put back a :meth:`snapshot`'s weights and optimizer moments. Step counters, the schedule and the
+        groups' learning rates go on (the steps were taken); a pending accumulation window is dropped."""
+        live = self._named_parameters()
+        for name, saved in snapshot["parameters"].items():
+            live[name].copy_(saved.to(device=live[name].device, dtype=live[name].dtype))
+        current = self.optimizer.state_dict()
+        current["state"] = copy.deepcopy(snapshot["moments"])
+        self.optimizer.load_state_dict(current)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.pending = 0
+        self.pending_items = 0.0
+        self.counted = False

@@ -56,6 +56,11 @@ def behaviour_logprobs(model: PreTrainedModel, generations: Sequence[Generation]
         ]
 
 
+def completion_counts(generations: Sequence[Generation]) -> tuple[int, int]:
+    """``(completions, completion tokens)`` of an agent's generations: what its loss is normalised by."""
+    return (sum(g.completion_ids.shape[0] for g in generations), sum(int(g.completion_mask.sum()) for g in generations))
+
+
 def policy_losses(
     model: PreTrainedModel,
     generations: Sequence[Generation],
@@ -88,8 +93,7 @@ def policy_losses(
     log-probabilities do, and stay so while the caller backpropagates (a checkpointed layer
     recomputes in the backward pass), so the first pass's probability ratio is exactly 1.
     """
-    total_rows, total_tokens = counts if counts is not None else (
-        sum(g.completion_ids.shape[0] for g in generations), sum(int(g.completion_mask.sum()) for g in generations))
+    total_rows, total_tokens = counts if counts is not None else completion_counts(generations)
     normaliser = loss_normaliser(loss_type, total_rows, total_tokens, max_completion_length)
     with dropout_disabled(model):
         for turn, (generation, turn_advantages) in enumerate(zip(generations, advantages)):

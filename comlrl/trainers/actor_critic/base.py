@@ -36,7 +36,8 @@ from comlrl.training.policy_update import backpropagate, dropout_disabled, polic
 from comlrl.training.reference import ReferenceTerms
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
 from comlrl.trainers.actor_critic.critics import CriticInput
-from comlrl.trainers.base import MultiAgentTrainer, Stage
+from comlrl.trainers.base import MultiAgentTrainer
+from comlrl.trainers.epochs import Stage
 from comlrl.models.value_heads import ValueHead, attach_value_head, distinct_sequence_values, sequence_values
 
 # One on-policy pass: the probability ratio is exactly 1, so the PPO clip never binds.
@@ -377,7 +378,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
         Stage("reference", ("rollout",), "reference", timing="update_time"),
         Stage("advantages", ("rewards", "values", "reference", "rollout"), "estimates", timing="update_time"),
         Stage("update", ("rollout", "critic_inputs", "estimates", "values", "reference"), "update_metrics",
-              timing="update_time"),
+              timing="update_time", updates=True),
     )
 
     def step_metrics(self, values: dict[str, Any]) -> dict[str, float]:

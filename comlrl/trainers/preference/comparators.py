@@ -9,9 +9,15 @@
   naming the endpoint.
 
 Every comparator answers :meth:`sample` with each agent's completions for every prompt, as text and
-as token IDs of that agent's tokenizer (the DPO step scores them under the agent). Comparators
-that are this run's own agents (history) keep the sampled IDs; other models' and the API's texts
-are tokenized with the agent's tokenizer.
+as token IDs of that agent's tokenizer (the DPO step scores them under the agent), stored as the
+policy stores its own: the sampled IDs up to and including EOS (:func:`sampled_ids`), so both sides
+of a pair are scored alike, the EOS term included. The history comparator (this run's own agents)
+and a model comparator whose tokenizer has the agent's vocabulary and EOS keep the sampled IDs. A
+model of another vocabulary, and the API (which returns text), give text: it is tokenized alone with
+the agent's tokenizer, without special tokens, and the agent's EOS is appended when the completion
+finished (:func:`text_ids`): the model sampled its EOS, or the endpoint answered
+``finish_reason="stop"``. A completion cut at the token limit (``"length"``) has no EOS, as the
+policy's own. An endpoint that does not say why a completion ended gets no EOS and one warning.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from comlrl.models import entities, lora
 from comlrl.models.export import save_pretrained_models
 from comlrl.parallel.device import resolve_device
 from comlrl.rollout.episodes import RolloutSpec, rollout_episodes
+from comlrl.rollout.generation import eos_ids
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +60,37 @@ class ComparatorSamples:
     token_ids: list[list[list[int]]]
 
 
-def tokenize_completions(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-
-
 def sampled_ids(generation: Any) -> list[list[int]]:
     """The sampled token IDs of each row of a generation (up to and including its EOS)."""
     return [ids[mask.bool()].tolist() for ids, mask in zip(generation.completion_ids.cpu(),
                                                              generation.completion_mask.cpu())]
+
+
+def ended_with_eos(generation: Any, tokenizer: Any) -> list[bool]:
+    """Whether each row of a generation ended with one of ``tokenizer``'s EOS tokens (not at the token limit)."""
+    eos = set(eos_ids(tokenizer))
+    return [bool(ids) and ids[-1] in eos for ids in sampled_ids(generation)]
+
+
+def text_ids(tokenizer: Any, texts: Sequence[str], finished: Sequence[bool]) -> list[list[int]]:
+    """Completions known only as text, as the policy's generation represents its own: the text's tokens
+    (tokenized alone, no special tokens added), then the agent's EOS where the completion finished."""
+    eos = eos_ids(tokenizer)
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] + (eos[:1] if done else [])
+            for text, done in zip(texts, finished, strict=True)]
+
+
+def same_vocabulary(tokenizer: Any, other: Any) -> bool:
+    """Whether IDs sampled with ``other`` are the same tokens to ``tokenizer`` (same vocabulary and EOS)."""
+    return tokenizer is other or (eos_ids(tokenizer) == eos_ids(other) and tokenizer.get_vocab() == other.get_vocab())
+
+
+def agent_ids(generation: Any, source_tokenizer: Any, agent_tokenizer: Any) -> list[list[int]]:
+    """A comparator model's completions as the agent stores its own: the sampled IDs when the two share a
+    vocabulary, else the text re-tokenized for the agent, with its EOS where the model sampled its own."""
+    if same_vocabulary(agent_tokenizer, source_tokenizer):
+        return sampled_ids(generation)
+    return text_ids(agent_tokenizer, generation.texts, ended_with_eos(generation, source_tokenizer))
 
 
 def _frozen(model: torch.nn.Module) -> torch.nn.Module:
@@ -110,15 +140,20 @@ class ModelComparator:
 
     def sample(self, policy: Any, spec: RolloutSpec, rows: list[dict[str, Any]], labels: list[int]) -> ComparatorSamples:
         rollout = rollout_episodes(self.models, self.tokenizers, spec, rows, labels, policy.agent_map)
-        texts = rollout.joint_completions(0)
-        return ComparatorSamples(texts, [tokenize_completions(t, agent_texts)
-                                         for t, agent_texts in zip(policy.tokenizers, texts)])
+        generations = rollout.turns[0].generations
+        return ComparatorSamples(rollout.joint_completions(0),
+                                 [agent_ids(generation, own, agent) for generation, own, agent
+                                  in zip(generations, self.tokenizers, policy.tokenizers, strict=True)])
 
     def state_dict(self) -> dict[str, Any]:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+    def use_output_dir(self, output_dir: Path) -> None:
+        """Where the preference run writes its files (this comparator keeps none)."""
 
 
 class HistoryComparator(ModelComparator):
@@ -152,6 +187,11 @@ class HistoryComparator(ModelComparator):
         self.data_parallel.barrier()
         self.snapshots[iteration] = str(path)
         return str(path)
+
+    def use_output_dir(self, output_dir: Path) -> None:
+        """Policy snapshots go to ``output_dir/policies`` unless a directory was given."""
+        if self.directory is None:
+            self.directory = Path(output_dir) / "policies"
 
     def source_iteration(self, iteration: int) -> int:
         """Whose policy iteration ``iteration`` is compared against."""
@@ -267,21 +307,38 @@ def post_json(settings: APISettings, body: dict[str, Any]) -> Any:
         "stage finished; the last checkpoint is intact: resume from it once the endpoint answers")
 
 
-def answer_texts(settings: APISettings, answer: Any) -> list[str]:
-    """The completions of an OpenAI-format answer (``choices[i].message.content`` or ``choices[i].text``)."""
+# finish_reason values: the completion ended on its own (the policy's would end in EOS), or was cut at max_tokens.
+FINISHED_REASONS = ("stop", "eos", "eos_token")
+CUT_REASONS = ("length", "max_tokens")
+
+
+@dataclass(frozen=True)
+class APICompletion:
+    """One choice of an answer: its text and whether it finished (None: the endpoint did not say)."""
+
+    text: str
+    finished: bool | None
+
+
+def answer_choices(settings: APISettings, answer: Any) -> list[APICompletion]:
+    """The completions of an OpenAI-format answer (``choices[i].message.content`` or ``choices[i].text``) and
+    how each ended (``choices[i].finish_reason``: :data:`FINISHED_REASONS` or :data:`CUT_REASONS`)."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list):
         raise ComparatorAPIError(f"comparator API {settings.url} answered without a 'choices' list: {str(answer)[:300]}")
-    texts = []
+    completions = []
     for choice in choices:
         message = choice.get("message") if isinstance(choice, dict) else None
         if settings.api_format == "chat" and isinstance(message, dict) and message.get("content") is not None:
-            texts.append(str(message["content"]))
+            text = str(message["content"])
         elif isinstance(choice, dict) and choice.get("text") is not None:
-            texts.append(str(choice["text"]))
+            text = str(choice["text"])
         else:
             raise ComparatorAPIError(f"comparator API {settings.url}: a choice without text: {str(choice)[:200]}")
-    return texts
+        reason = choice.get("finish_reason")
+        finished = True if reason in FINISHED_REASONS else False if reason in CUT_REASONS else None
+        completions.append(APICompletion(text, finished))
+    return completions
 
 
 class APIComparator:
@@ -291,6 +348,10 @@ class APIComparator:
 
     def __init__(self, settings: APISettings) -> None:
         self.settings = settings
+        self.warned_unknown_finish = False  # the missing-finish_reason warning is given once per run
+
+    def use_output_dir(self, output_dir: Path) -> None:
+        """Where the preference run writes its files (this comparator keeps none)."""
 
     def begin(self, iteration: int, policy: Any) -> None:
         pass
@@ -310,27 +371,36 @@ class APIComparator:
             body["prompt"] = prompt
         return {**body, **self.settings.extra_body}
 
-    def completions(self, prompt: str, count: int, spec: RolloutSpec) -> list[str]:
-        texts: list[str] = []
-        while len(texts) < count:
-            asked = min(count - len(texts), self.settings.max_n_per_request or count)
-            answer = answer_texts(self.settings, post_json(self.settings, self.request_body(prompt, asked, spec)))
+    def completions(self, prompt: str, count: int, spec: RolloutSpec) -> list[APICompletion]:
+        completions: list[APICompletion] = []
+        while len(completions) < count:
+            asked = min(count - len(completions), self.settings.max_n_per_request or count)
+            answer = answer_choices(self.settings, post_json(self.settings, self.request_body(prompt, asked, spec)))
             if not answer:
                 raise ComparatorAPIError(f"comparator API {self.settings.url} returned no completions (asked n={asked})")
-            texts += answer
-        return texts[:count]
+            completions += answer
+        return completions[:count]
 
     def sample(self, policy: Any, spec: RolloutSpec, rows: list[dict[str, Any]], labels: list[int]) -> ComparatorSamples:
         """Every agent's prompt of every row, ``spec.num_generations`` completions each (``concurrency``
-        requests at a time; the answers keep the rows' order)."""
-        texts, ids = [], []
+        requests at a time; the answers keep the rows' order), stored as the policy's (:func:`text_ids`)."""
+        texts, ids, unknown, total = [], [], 0, 0
         with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
             for agent, tokenizer in enumerate(policy.tokenizers):
                 prompts = [format_prompt(spec.formatters[agent], row, agent, label) for row, label in zip(rows, labels)]
                 answers = pool.map(lambda prompt: self.completions(prompt, spec.num_generations, spec), prompts)
-                agent_texts = [text for answer in answers for text in answer]
-                texts.append(agent_texts)
-                ids.append(tokenize_completions(tokenizer, agent_texts))
+                agent_completions = [completion for answer in answers for completion in answer]
+                texts.append([completion.text for completion in agent_completions])
+                ids.append(text_ids(tokenizer, texts[-1], [bool(c.finished) for c in agent_completions]))
+                unknown += sum(completion.finished is None for completion in agent_completions)
+                total += len(agent_completions)
+        if unknown and not self.warned_unknown_finish:
+            self.warned_unknown_finish = True
+            logger.warning(
+                "comparator API %s did not say how %d of %d completions ended (no finish_reason 'stop' or 'length'); "
+                "they are stored without EOS, as if cut at max_tokens, so a pair against the policy's completions "
+                "(which keep their EOS) is scored without the comparator side's EOS term; use an endpoint that "
+                "reports finish_reason", self.settings.url, unknown, total)
         return ComparatorSamples(texts, ids)
 
     def state_dict(self) -> dict[str, Any]:

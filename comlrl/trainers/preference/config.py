@@ -53,9 +53,12 @@ class MARLHFConfig(MAGRPOConfig):
     max_pairs_per_prompt: int | None = option(None, "Keep at most N pairs per prompt, widest reward margin first.",
                                               min=1, kind=int, optional=True, aliases=("preference_pairs_per_sample",))
     policy_guard: bool = option(
-        True, "Score the task reward on the eval rows (else the first train rows) before and after each policy stage; "
-        "if the stage lowered it by more than policy_guard_tolerance, restore the trainable weights and optimizer "
-        "moments from before the stage.")
+        True, "Score the task reward on policy_guard_rows training rows before and after each policy stage; if the "
+        "stage lowered it by more than policy_guard_tolerance, restore the trainable weights and optimizer moments "
+        "from before the stage (logged as policy/guard_reverted, with a warning). The eval set is never used, so "
+        "the eval reward stays held out.")
+    policy_guard_rows: int = option(8, "Training rows the policy guard scores (a fixed seeded draw; all rows when the "
+                                    "set is smaller).", min=1)
     policy_guard_tolerance: float = option(0.0, "How far the guard lets the task reward fall in a policy stage.", min=0.0)
     output_dir: str | None = option(None, "Where pairs, reward models and history are written (None = in memory only).",
                                     kind=str, optional=True)

@@ -1,68 +1,70 @@
 """The policy guard of preference runs: a policy stage may not lower the task reward.
 
 A learned reward model can be wrong where the policy goes (reward hacking), so the policy stage
-is judged by the task reward: before the stage the guard scores the policy on its evaluation
-rows (the policy trainer's ``evaluate`` with the task reward: fixed seed, forked RNG) and keeps a
-copy of every trainable parameter and optimizer state; after the stage it scores again, and if
-the task reward fell by more than the tolerance, the trainable parameters and optimizer moments
-go back to the copy. Progress counters and LR schedules (the groups' current rates) are kept (the steps happened; the plan
-stays aligned with the data). The copy is part of the run's state while a stage is in progress,
-so a stop mid-stage resumes with it.
+is judged by the task reward: before the stage the guard scores the policy on its own
+validation rows (:func:`guard_rows`: never the evaluation set, whose reward is reported as held
+out) and takes a snapshot of every trained model through its optimizer-step component
+(:meth:`~comlrl.training.optimizer_step.ModelOptimizer.snapshot`: trainable weights and optimizer
+moments); after the stage it scores again, and if the task reward fell by more than the
+tolerance, every component restores its snapshot. Progress counters and LR schedules go on (the
+steps happened; the plan stays aligned with the data). The snapshot is part of the run's state
+while a stage is in progress, so a stop mid-stage resumes with it.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-
-
-def trainable_parameters(policy: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """Every trainable parameter of the policy trainer's models, by model and parameter name."""
-    return {name: {key: p for key, p in module.named_parameters() if p.requires_grad}
-            for name, module in policy.checkpoint_modules().items()}
 
 
 @dataclass
 class PolicySnapshot:
-    """The task reward before a policy stage and what to restore if the stage lowers it."""
+    """The task reward before a policy stage and, per optimizer-step component, what to restore."""
 
     task_reward: float
-    parameters: dict[str, dict[str, torch.Tensor]]
-    optimizers: dict[str, dict[str, Any]]
+    components: dict[str, dict[str, Any]]
 
     @classmethod
     def take(cls, policy: Any, task_reward: float) -> "PolicySnapshot":
-        parameters = {name: {key: p.detach().cpu().clone() for key, p in params.items()}
-                      for name, params in trainable_parameters(policy).items()}
-        optimizers = {name: copy.deepcopy(component.optimizer.state_dict())
-                      for name, component in policy.model_optimizers.items()}
-        return cls(task_reward, parameters, optimizers)
+        return cls(task_reward, {name: component.snapshot() for name, component in policy.model_optimizers.items()})
 
-    @torch.no_grad()
     def restore(self, policy: Any) -> None:
-        live = trainable_parameters(policy)
-        for name, params in self.parameters.items():
-            for key, saved in params.items():
-                live[name][key].copy_(saved.to(live[name][key].device))
         for name, component in policy.model_optimizers.items():
-            rates = [(group["lr"], group.get("initial_lr")) for group in component.optimizer.param_groups]
-            component.optimizer.load_state_dict(copy.deepcopy(self.optimizers[name]))
-            for group, (rate, initial) in zip(component.optimizer.param_groups, rates):  # the schedule goes on
-                group["lr"] = rate
-                if initial is not None:
-                    group["initial_lr"] = initial
+            component.restore_snapshot(self.components[name])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"task_reward": self.task_reward, "parameters": self.parameters, "optimizers": self.optimizers}
+        return {"task_reward": self.task_reward, "components": self.components}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any] | None) -> "PolicySnapshot | None":
-        return cls(**state) if state is not None else None
+        return cls(state["task_reward"], state["components"]) if state is not None else None
 
 
-def guard_rows(policy: Any) -> Any:
-    """Where the guard scores the policy: the evaluation set, else the first training rows."""
-    return policy.eval_dataset if policy.eval_dataset is not None else policy.train_dataset
+def guard_rows(train_dataset: Any, num_rows: int, seed: int) -> list[int]:
+    """The guard's validation rows: ``num_rows`` training rows drawn with ``seed`` (every row when the
+    set is smaller). The evaluation set is never among them, so the reported eval reward stays held out."""
+    import torch
+
+    size = len(train_dataset)
+    if num_rows >= size:
+        return list(range(size))
+    generator = torch.Generator().manual_seed(seed)
+    return sorted(torch.randperm(size, generator=generator)[:num_rows].tolist())
+
+
+def pairwise_agreement(scores: Any, reference: Any) -> float:
+    """How often ``scores`` order two samples of the same row as ``reference`` does: over every pair of
+    a row (``[rows, samples]`` each) whose reference rewards differ (NaN = dropped, left out); NaN
+    when no pair differs. 1 = the same order everywhere, 0.5 = chance."""
+    import torch
+
+    agree = total = 0
+    for row_scores, row_reference in zip(scores.float(), reference.float()):
+        for i in range(row_reference.numel()):
+            for j in range(i + 1, row_reference.numel()):
+                difference = row_reference[i] - row_reference[j]
+                if torch.isnan(difference) or difference == 0:
+                    continue
+                total += 1
+                agree += int(bool(torch.sign(row_scores[i] - row_scores[j]) == torch.sign(difference)))
+    return agree / total if total else float("nan")

@@ -82,7 +82,7 @@ class MADPOIterTrainer(PreferenceRounds):
         self.comparator = build_comparator(self.args, policy)
         self.collection = PreferenceCollection(self.args, self.args, policy.data_parallel, self.comparator,
                                                self.args.num_generations, self.args.preference_replay_mode)
-        self.state = PbRLState(history=policy.state.history)
+        self.state = PbRLState(history=policy.history)  # one list: the steps are the policy's
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
         self.output_path = None
         self.window = MetricWindow()
@@ -140,7 +140,7 @@ class MADPOIterTrainer(PreferenceRounds):
         batches = replay.pair_batches(len(pairs), self.args.dpo_batch_size, self.args.num_train_epochs,
                                       self.args.seed, self.state.iteration)
         per_epoch = -(-len(pairs) // self.args.dpo_batch_size)
-        policy.history_tags = {"iteration": self.state.iteration}
+        policy.tag_steps(iteration=self.state.iteration)
         start = len(self.state.history)
         while self.state.stage_step < len(batches):
             step = self.state.stage_step
@@ -149,12 +149,10 @@ class MADPOIterTrainer(PreferenceRounds):
             if self.reference is not None:
                 references = [(self.reference[a, 0, mine].to(device), self.reference[a, 1, mine].to(device))
                               for a, device in enumerate(policy.agent_devices)]
-            step_metrics = policy.preference_update(self.pair_generations(pairs.select(mine)), references)
-            self.state.stage_step += 1
-            if (step + 1) % per_epoch == 0:  # an epoch of DPO ends: no gradient left pending
-                step_metrics.update(policy.record_steps({name: component.flush()
-                                                         for name, component in policy.model_optimizers.items()}))
-            policy.record_step(step_metrics, self.window)  # history, callbacks, evaluation, stop requests
+            generations = self.pair_generations(pairs.select(mine))
+            self.state.stage_step += 1  # counted with the step: a stop after it resumes at the next one
+            # An epoch of DPO ends: no gradient left pending. History, callbacks, evaluation, stop requests.
+            policy.preference_step(generations, references, self.window, end_of_pass=(step + 1) % per_epoch == 0)
             self.state.global_step = policy.state.global_step
         self.reference = None
         steps = self.state.history[start:]
@@ -185,9 +183,10 @@ class MADPOIterTrainer(PreferenceRounds):
 
     def load_state_dict(self, state: dict[str, Any], where: str = "the checkpoint") -> None:
         self.collection.load_state_dict(state["collection"])
-        self.policy_trainer.load_state_dict(state["policy"], where)
-        self.state = PbRLState(**state["progress"])
-        self.policy_trainer.state.history = self.state.history
+        policy = state["policy"]
+        policy["progress"]["history"] = state["progress"]["history"]  # the steps are the policy's
+        self.policy_trainer.load_state_dict(policy, where)
+        self.state = PbRLState(**{**state["progress"], "history": self.policy_trainer.history})
         self.reference = state["reference"]
         restore_rng_state(state["rng"])
 

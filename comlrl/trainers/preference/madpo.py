@@ -32,7 +32,8 @@ from comlrl.rollout.generation import Generation
 from comlrl.training.logprobs import completion_logprobs
 from comlrl.training.policy_update import backpropagate, dropout_disabled
 from comlrl.training.reference import ReferencePolicy
-from comlrl.trainers.base import MultiAgentTrainer, Stage
+from comlrl.trainers.base import MultiAgentTrainer
+from comlrl.trainers.epochs import Stage
 from comlrl.trainers.preference.madpo_config import MADPOConfig
 
 # DPO scores the policy's own distribution, not the sampling temperature's (the original did the same).
@@ -94,16 +95,23 @@ class MADPOTrainer(MultiAgentTrainer):
 
         The other agents' log-ratio differences enter each agent's loss detached, from a first pass
         without gradients; then each agent backpropagates its own loss (side by side when on different
-        devices) and its optimizer-step component counts the micro-batch, pairs or not.
+        devices) and its optimizer-step component counts the micro-batch, pairs or not. The loss is a mean
+        over pairs: each component registers the micro-batch's pair count, so an accumulated window's
+        gradient is the mean over all of its pairs (``ModelOptimizer.item_loss_scale``).
+
+        Metrics: ``dpo/pairs`` and ``dpo/steps_without_pairs`` (1 when no process had a pair) always; the
+        losses and ``dpo/{loss,accuracy,margin}`` only when some process had pairs (every process then reports
+        them, zeros where it had none, weighted so that their mean over the processes is the statistic over
+        all pairs: ``dpo.dpo_statistics``). Never NaN.
         """
         num_pairs = generations[0].completion_ids.shape[0] // 2
         # The DPO loss is a mean over pairs; the processes hold different numbers of pairs, so each divides its
         # sum by the mean count over the processes (a collective: every process, pairs or not).
         [mean_pairs] = self.data_parallel.mean_counts([num_pairs])
-        # The same names with or without pairs (NaN then): data-parallel processes average them together.
-        metrics: dict[str, float] = {"dpo/pairs": float(num_pairs),
-                                     **{f"agent_{a}/loss": float("nan") for a in range(self.num_agents)},
-                                     **{f"dpo/{k}": v for k, v in dpo.dpo_statistics(torch.zeros(0), 1.0).items()}}
+        metrics: dict[str, float] = {"dpo/pairs": float(num_pairs), "dpo/steps_without_pairs": float(mean_pairs == 0)}
+        scales = [self.model_optimizers[f"agent_{agent}"].item_loss_scale(mean_pairs)
+                  for agent in range(self.num_agents)]
+        joint = torch.zeros(0)
         if num_pairs:
             if references is None:
                 references = self.reference_logprobs(generations)
@@ -117,15 +125,31 @@ class MADPOTrainer(MultiAgentTrainer):
                 model.train()
                 own = self.log_ratio_differences(agent, generations[agent], references[agent])
                 loss = dpo.joint_dpo_loss(own, joint - before[agent], self.args.dpo_beta) * (num_pairs / mean_pairs)
-                component = self.model_optimizers[f"agent_{agent}"]
-                return {f"agent_{agent}/loss": backpropagate([loss], component.loss_scale)}
+                return {f"agent_{agent}/loss": backpropagate([loss], scales[agent])}
 
             for agent_metrics in self.agent_map(backward_agent, devices_of(self.agents)):
                 metrics.update(agent_metrics)
-            metrics.update({f"dpo/{name}": value for name, value in dpo.dpo_statistics(joint, self.args.dpo_beta).items()})
+        elif mean_pairs:  # other processes have pairs: this one's share of their mean loss is 0
+            metrics.update({f"agent_{agent}/loss": 0.0 for agent in range(self.num_agents)})
+        statistics = dpo.dpo_statistics(joint, self.args.dpo_beta, normaliser=mean_pairs)
+        metrics.update({f"dpo/{name}": value for name, value in statistics.items()})
         components = self.model_optimizers
         metrics.update(self.record_steps({name: component.micro_step() for name, component in components.items()}))
         return metrics
+
+    def preference_step(self, generations: Sequence[Generation],
+                        references: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None,
+                        window: Any, end_of_pass: bool = False) -> None:
+        """One counted step of an offline DPO stage (MADPOIterTrainer): :meth:`preference_update`, then at
+        ``end_of_pass`` every pending gradient applied; recorded as any step (history, logging, evaluation,
+        stop requests)."""
+        self.step_guard.begin(self.step_restorer())
+        self.step_guard.updating()  # the update starts at once
+        metrics = self.preference_update(generations, references)
+        if end_of_pass:
+            metrics.update(self.record_steps({name: component.flush()
+                                              for name, component in self.model_optimizers.items()}))
+        self.record_step(metrics, window)
 
     def log_ratio_differences(self, agent: int, generation: Generation,
                               reference: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -154,7 +178,7 @@ class MADPOTrainer(MultiAgentTrainer):
         Stage("rollout", ("rows",), "rollout", timing="generation_time"),
         Stage("score", ("rollout",), "rewards", timing="reward_time"),
         Stage("select_pairs", ("rewards",), "pairs", timing="update_time"),
-        Stage("update", ("rollout", "pairs"), "update_metrics", timing="update_time"),
+        Stage("update", ("rollout", "pairs"), "update_metrics", timing="update_time", updates=True),
     )
 
     def step_metrics(self, values: dict[str, Any]) -> dict[str, float]:

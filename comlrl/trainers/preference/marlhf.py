@@ -46,7 +46,7 @@ from comlrl.training.seeding import capture_rng_state, restore_rng_state
 from comlrl.trainers.base import resolve_num_samples
 from comlrl.trainers.preference.comparators import build_comparator
 from comlrl.trainers.preference.config import MARLHFConfig
-from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows
+from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows, pairwise_agreement
 from comlrl.trainers.preference.policy import critic_arguments, policy_classes, policy_config
 from comlrl.trainers.preference.iterative_config import options_of
 from comlrl.trainers.preference.rounds import PbRLState, PreferenceRounds
@@ -107,9 +107,11 @@ class MARLHFTrainer(PreferenceRounds):
         )
         policy = self.policy_trainer
         policy.replan_schedules(self.num_iterations)  # the policy learns in every iteration
-        self.task_reward: JointReward = policy.reward  # the user's reward, weights and processor applied
-        policy.reward = JointReward(self._learned_reward, monitors={"task_reward": self._task_reward_values},
-                                    num_agents=policy.num_agents)
+        # The policy trains on the learned reward (the task reward rides along as a monitor); the user's
+        # reward, weights and processor applied, labels the pairs and judges the policy.
+        self.task_reward: JointReward = policy.use_reward(JointReward(
+            self._learned_reward, monitors={"task_reward": self._task_reward_values}, num_agents=policy.num_agents))
+        policy.use_evaluator(self.evaluate)  # periodic evaluations report the task reward too
         self.reward_device = resolve_reward_device(
             self.args.reward_model_device, policy.device, self.args.reward_model_device_fallback
         )
@@ -117,7 +119,7 @@ class MARLHFTrainer(PreferenceRounds):
         self.comparator = build_comparator(options, policy)
         self.preference = PreferenceStage(self.args, options, self.reward_model_source, self.reward_device,
                                           policy.dtype, policy.data_parallel, self.comparator)
-        self.state = PbRLState(history=policy.state.history)
+        self.state = PbRLState(history=policy.history)  # one list: the steps are the policy's
         self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
         self.output_path: Path | None = Path(self.args.output_dir) if self.args.output_dir else None
         self.guard: PolicySnapshot | None = None  # set while a guarded policy stage is in progress
@@ -177,44 +179,55 @@ class MARLHFTrainer(PreferenceRounds):
         under the policy guard (comlrl/trainers/preference/guard.py)."""
         policy = self.policy_trainer
         if self.args.policy_guard and self.guard is None:
-            self.guard = PolicySnapshot.take(policy, self.guard_score())
-        window = MetricWindow()
-        policy.history_tags = {"iteration": self.state.iteration, **self.reward_model_quality()}
-        start = len(policy.state.history)
-        target = (self.state.iteration + 1) * self.args.num_train_epochs
-        while policy.state.epoch < target:
-            policy.run_epoch(window)
-        steps = [step for step in policy.state.history if step.get("iteration") == self.state.iteration]
+            self.guard = PolicySnapshot.take(policy, self.guard_scores()["task_reward"])
+        policy.tag_steps(iteration=self.state.iteration, **self.reward_model_quality())
+        start = len(policy.history)
+        policy.train_steps(until_epoch=(self.state.iteration + 1) * self.args.num_train_epochs, window=MetricWindow())
         self.state.global_step = policy.state.global_step
         summary = MetricWindow()
-        for step in steps:
-            summary.add({k: v for k, v in step.items() if k in ("reward_mean", "monitor/task_reward")})
+        for step in policy.history:
+            if step.get("iteration") == self.state.iteration:
+                summary.add({k: v for k, v in step.items() if k in ("reward_mean", "monitor/task_reward")})
         means = summary.flush()
         metrics = {
             "policy/learned_reward_mean": means.get("reward_mean", float("nan")),
             "policy/task_reward_mean": means.get("monitor/task_reward", float("nan")),
-            "policy/steps": float(len(policy.state.history) - start),
+            "policy/steps": float(len(policy.history) - start),
         }
         if self.guard is not None:
             metrics.update(self.apply_guard())
         return metrics
 
-    def guard_score(self) -> float:
-        """The task reward of the policy on the guard's rows (fixed seed, forked RNG: training is unaffected)."""
-        scored = self.policy_trainer.evaluate(guard_rows(self.policy_trainer), reward=self.task_reward)
-        return scored["eval/reward_mean"]
+    def guard_scores(self) -> dict[str, float]:
+        """The policy's mean task reward on the guard's training rows and, once a reward model exists, how
+        often the learned reward orders two of the same prompt's samples as the task reward does (fixed
+        seed, forked RNG: training is unaffected)."""
+        policy = self.policy_trainer
+        rows = guard_rows(policy.train_dataset, self.args.policy_guard_rows, self.args.seed)
+        dataset = policy.train_dataset.select(rows)
+        rewards = [self.task_reward] + ([JointReward(self._learned_reward)] if self.reward_model is not None else [])
+        scored = policy.sample_rewards(dataset, rewards)
+        scores = {"task_reward": float(scored[0].nanmean())}
+        if len(scored) > 1:
+            scores["reward_model_agreement"] = pairwise_agreement(scored[1], scored[0])
+        return scores
 
     def apply_guard(self) -> dict[str, float]:
         """Keep the stage if the task reward did not fall beyond the tolerance; else restore the snapshot."""
-        before, after = self.guard.task_reward, self.guard_score()
-        reverted = after < before - self.args.policy_guard_tolerance
+        before, after = self.guard.task_reward, self.guard_scores()
+        reverted = after["task_reward"] < before - self.args.policy_guard_tolerance
+        agreement = after.get("reward_model_agreement", float("nan"))
         if reverted:
-            logger.warning("iteration %d: the policy stage lowered the task reward %.4f -> %.4f; its weights are "
-                           "restored (policy_guard)", self.state.iteration, before, after)
+            logger.warning(
+                "iteration %d: the policy stage lowered the task reward on the guard's rows %.4f -> %.4f, so its "
+                "weights are restored (policy_guard). The reward model orders fresh samples as the task reward does "
+                "in %.0f%% of pairs (50%% is chance): a reward model near chance cannot teach the policy; collect "
+                "more pairs (preference_num_generations, max_pairs_per_prompt) or fit longer (reward_train_epochs, "
+                "reward_learning_rate)", self.state.iteration, before, after["task_reward"], 100 * agreement)
             self.guard.restore(self.policy_trainer)
         self.guard = None
-        return {"policy/guard_task_reward_before": before, "policy/guard_task_reward_after": after,
-                "policy/guard_reverted": float(reverted)}
+        return {"policy/guard_task_reward_before": before, "policy/guard_task_reward_after": after["task_reward"],
+                "policy/guard_reverted": float(reverted), "policy/reward_model_agreement": agreement}
 
     def reward_model_quality(self) -> dict[str, float]:
         """The fitted reward model's held-out accuracy, carried by every policy step it rewards."""
@@ -239,9 +252,10 @@ class MARLHFTrainer(PreferenceRounds):
 
     def load_state_dict(self, state: dict[str, Any], where: str = "the checkpoint") -> None:
         self.preference.load_state_dict(state["preference"])
-        self.policy_trainer.load_state_dict(state["policy"], where)
-        self.state = PbRLState(**state["progress"])
-        self.policy_trainer.state.history = self.state.history
+        policy = state["policy"]
+        policy["progress"]["history"] = state["progress"]["history"]  # the steps are the policy's
+        self.policy_trainer.load_state_dict(policy, where)
+        self.state = PbRLState(**{**state["progress"], "history": self.policy_trainer.history})
         self.task_reward.load_state_dict(state["task_reward"])
         self.guard = PolicySnapshot.from_state_dict(state["guard"])
         restore_rng_state(state["rng"])  # last: loading the reward model draws a head

@@ -8,9 +8,16 @@ The shard of iteration ``i`` is the pairs collected in it. Iteration ``i`` train
 - ``lambda_decay``: every shard, a shard of age ``a`` (``i - its iteration``) drawn with weight
   proportional to ``lambda^a`` (``lambda = 1``: uniform, ``0``: only the newest).
 
-With a sample size (always for ``lambda_decay``, default the newest shard's size) a seeded draw
-picks how many pairs come from each shard (multinomial over the weights, uniform for ``all`` and
-``last_k``) and then which ones (a shard's pairs without replacement, cycling if asked for more).
+With a sample size ``S`` (always for ``lambda_decay``, default the newest shard's size) a seeded draw
+picks how many pairs come from each shard (a multinomial over the shard weights ``w_j`` of
+:func:`shard_weights`) and then which ones (a shard's pairs without replacement, cycling if asked
+for more). A pair of shard ``j`` (``n_j`` pairs) is drawn ``S * w_j / n_j`` times in expectation:
+
+- ``none``, ``all``, ``last_k``: ``w_j = n_j / sum_m n_m``, so every pair alike (``S / sum_m n_m``): the
+  sample is a subsample of the pool used without a sample size;
+- ``lambda_decay``: ``w_j = lambda^a_j / sum_m lambda^a_m`` over the non-empty shards (``a_j`` the age), a
+  weight per *shard*: a pair of a small shard is drawn more often than one of a large shard of the same
+  age (``lambda = 1`` is uniform over shards, not over pairs).
 """
 
 from __future__ import annotations
@@ -46,6 +53,17 @@ def lambda_weights(num_shards: int, decay: float) -> list[float]:
     return [value / total for value in raw]
 
 
+def shard_weights(mode: str, sizes: Sequence[int], decay: float | None = None) -> list[float]:
+    """The probability of each replayed shard (oldest first, ``sizes`` their pair counts) for one drawn pair:
+    proportional to its size for ``none``/``all``/``last_k`` (every pair alike), :func:`lambda_weights` for
+    ``lambda_decay``; empty shards get 0 and the rest is renormalised (all zeros when every shard is empty)."""
+    raw = lambda_weights(len(sizes), decay if decay is not None else 1.0) if mode == "lambda_decay" \
+        else [float(n) for n in sizes]
+    kept = [w if n > 0 else 0.0 for w, n in zip(raw, sizes)]
+    total = sum(kept)
+    return [w / total for w in kept] if total > 0 else [0.0] * len(sizes)
+
+
 def shard_counts(sizes: Sequence[int], weights: Sequence[float], sample_size: int,
                  generator: torch.Generator) -> list[int]:
     """How many of ``sample_size`` pairs come from each shard: a multinomial draw over ``weights``
@@ -67,7 +85,8 @@ def draw_indices(size: int, count: int, generator: torch.Generator) -> list[int]
 
 def training_pairs(shards: Sequence[Dataset], iteration: int, mode: str, k: int | None = None,
                    decay: float | None = None, sample_size: int | None = None, seed: int = 0) -> Dataset:
-    """The pairs iteration ``iteration`` trains on, from ``shards[j]`` (the pairs of iteration ``j``).
+    """The pairs iteration ``iteration`` trains on, from ``shards[j]`` (the pairs of iteration ``j``): every pair
+    of the replayed shards, or ``sample_size`` of them drawn with :func:`shard_weights` (see the module docstring).
 
     Deterministic in ``seed`` and ``iteration``: a resumed run selects the same pairs.
     """
@@ -80,8 +99,7 @@ def training_pairs(shards: Sequence[Dataset], iteration: int, mode: str, k: int 
         sample_size = len(shards[iteration])
     if sample_size is None:
         return preferences.pool(selected)
-    weights = lambda_weights(len(selected), decay if decay is not None else 1.0) if mode == "lambda_decay" \
-        else [1.0] * len(selected)
+    weights = shard_weights(mode, [len(shard) for shard in selected], decay)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
     counts = shard_counts([len(s) for s in selected], weights, sample_size, generator)
     parts = [shard.select(draw_indices(len(shard), count, generator)) for shard, count in zip(selected, counts) if count]

@@ -10,6 +10,7 @@ policy trainer the run holds as ``policy_trainer``.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from comlrl.callbacks import dispatch
-from comlrl.training.loop import TrainerState, TrainingLoop
+from comlrl.training.loop import Boundary, TrainerState, TrainingLoop, rng_restorer, stage_plan
 from comlrl.training.signals import StopRequest
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,16 @@ class PbRLState(TrainerState):
 
 
 class PreferenceRounds(TrainingLoop):
-    """``num_iterations`` rounds of ``STAGES``; subclasses define one method per stage name."""
+    """``num_iterations`` rounds of ``STAGES``; subclasses define one method per stage name.
+
+    The run holds a policy trainer (``policy_trainer``) and talks to it through its documented
+    methods only. What it shows of it (``agents``, ``tokenizers``, ``num_agents``, the datasets,
+    ``callbacks``, ``history``, ``evaluations``) is read-only.
+    """
 
     STAGES: tuple[str, ...] = ()
+    # Stages that leave nothing behind until they return: one that fails is simply run again.
+    REPEATABLE_STAGES: tuple[str, ...] = ("collect_preferences", "prepare_pairs", "fit_reward_model")
     boundary_kind = "pbrl_stage"
     # Set by subclasses: the policy trainer, the progress, the comparator (or None), the output directory.
     policy_trainer: Any
@@ -55,64 +63,92 @@ class PreferenceRounds(TrainingLoop):
         return 1
 
     @classmethod
+    def plan_boundaries(cls, args: Any) -> list[Boundary]:
+        return stage_plan(cls.STAGES, cls.iterations_of(args))
+
+    @classmethod
     def planned_boundaries(cls, args: Any) -> int:
-        """Boundaries (stages) a run with ``args`` has: what the pipeline counts its transactions by."""
-        return len(cls.STAGES) * cls.iterations_of(args)
+        """Boundaries (stages) a run with ``args`` has."""
+        return len(cls.plan_boundaries(args))
 
     @property
     def num_iterations(self) -> int:
         return self.iterations_of(self.args)
 
-    # What the preference run shares with its policy trainer: one set of agents, data and callbacks.
+    # What the run shows of its policy trainer (read-only).
     agents = property(lambda self: self.policy_trainer.agents)
     tokenizers = property(lambda self: self.policy_trainer.tokenizers)
     num_agents = property(lambda self: self.policy_trainer.num_agents)
     device = property(lambda self: self.policy_trainer.device)
+    agent_sources = property(lambda self: self.policy_trainer.agent_sources)
+    rollout_spec = property(lambda self: self.policy_trainer.rollout_spec)
+    dtype = property(lambda self: self.policy_trainer.dtype)
     train_dataset = property(lambda self: self.policy_trainer.train_dataset)
     eval_dataset = property(lambda self: self.policy_trainer.eval_dataset)
     callbacks = property(lambda self: self.policy_trainer.callbacks)
     data_parallel = property(lambda self: self.policy_trainer.data_parallel)
+    history = property(lambda self: self.policy_trainer.history)
+    evaluations = property(lambda self: self.policy_trainer.evaluations)
 
-    @property
-    def agent_map(self) -> Any:
-        return self.policy_trainer.agent_map
+    def run_agents_with(self, agent_map: Any, private_tokenizers: bool = False) -> None:
+        """Route the per-agent work of the policy trainer (collection included) through ``agent_map``."""
+        self.policy_trainer.run_agents_with(agent_map, private_tokenizers)
 
-    @agent_map.setter
-    def agent_map(self, agent_map: Any) -> None:
-        self.policy_trainer.agent_map = agent_map
+    def planned_training_steps(self) -> int:
+        return self.policy_trainer.planned_training_steps()
 
-    def watch_stop(self, request: StopRequest) -> None:
+    def watch_stop(self, request: StopRequest, progress: Any = None) -> None:
         super().watch_stop(request)
-        self.policy_trainer.watch_stop(request)  # the policy's steps check it
+        self.policy_trainer.watch_stop(request, progress)  # the policy's steps check it
 
     # ----- the stage loop -----------------------------------------------------------------------
-    def begin_training(self, **checkpoint_options: Any) -> Any:
-        runner = super().begin_training(**checkpoint_options)
-        self.prepare_output_dir(resuming=runner.resume_path is not None)
-        history = self.comparator is not None and getattr(self.comparator, "kind", "") == "history"
-        if history and self.comparator.directory is None and self.output_path is not None:
-            self.comparator.directory = self.output_path / "policies"
-        return runner
+    def on_run_begin(self, resuming: bool) -> None:
+        self.prepare_output_dir(resuming=resuming)
+        if self.comparator is not None and self.output_path is not None:
+            self.comparator.use_output_dir(self.output_path)
+
+    def on_run_end(self) -> None:
+        self._advance_iteration()
 
     def total_boundaries(self) -> int:
         return len(self.STAGES) * self.num_iterations
 
-    def run_boundaries(self, runner: Any) -> None:
-        while self.state.boundaries < self.total_boundaries():
-            self.run_next_stage()
-            runner.on_boundary()
-        self._advance_iteration()
+    def steps_left(self) -> int:
+        return 0  # a stage is one call (its policy steps run inside it)
+
+    def take_step(self, window: Any, progress: Any = None) -> None:
+        raise RuntimeError(f"{type(self).__name__}'s boundaries are stages without separate steps; use close_boundary()")
+
+    def close_boundary(self) -> dict[str, float]:
+        return self.run_next_stage()
+
+    def recover_after_failure(self) -> bool:
+        """A failed stage is repeated from its start (see :data:`REPEATABLE_STAGES`); inside the policy
+        stage the policy trainer's own steps decide."""
+        return self.policy_trainer.recover_after_failure() and self.step_guard.recover()
 
     def run_next_stage(self) -> dict[str, float]:
-        """Run the next stage (one boundary) and count it; the pipeline runs one task per call."""
+        """Run the next stage (one boundary) and count it."""
         self._advance_iteration()
         name = self.STAGES[self.state.stage]
+        self.step_guard.begin(self.stage_restorer() if name in self.REPEATABLE_STAGES else (lambda: None))
         metrics = getattr(self, name)()
         self.record_stage(name, metrics)
         self.state.stage += 1
         self.state.stage_step = 0
         self.state.boundaries += 1
+        self.step_guard.end()
         return metrics
+
+    def stage_restorer(self) -> Any:
+        """What puts the RNGs and the task reward's counters back to the start of a repeatable stage."""
+        rng, reward = rng_restorer(), copy.deepcopy(self.task_reward.state_dict())
+
+        def restore() -> None:
+            rng()
+            self.task_reward.load_state_dict(reward)
+
+        return restore
 
     def _advance_iteration(self) -> None:
         if self.state.stage == len(self.STAGES):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from comlrl.algorithms.advantages import ADVANTAGE_MODES
+from comlrl.algorithms.kl import TruncatedSamplingKLWarning, truncated_sampling_warning
 from comlrl.algorithms.losses import LOSS_TYPES
 from comlrl.config import option
 from comlrl.trainers.config import RolloutConfig
@@ -34,6 +36,13 @@ class MAGRPOConfig(RolloutConfig):
     policy_update_epochs: int = option(
         1, "Gradient passes over each rollout batch (>1 reuses samples off-policy); each pass is one micro-batch "
         "of gradient_accumulation_steps.", min=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        message = truncated_sampling_warning(type(self).__name__, self.reference_kl_coef if self.reference_kl_enabled
+                                             else 0.0, self.top_p, self.top_k)
+        if message:  # once, when the config is built: before any model loads
+            warnings.warn(message, TruncatedSamplingKLWarning, stacklevel=4)  # at the caller
 
     def validate(self) -> list[str]:
         problems = super().validate()

@@ -17,9 +17,11 @@ from comlrl.algorithms.advantages import agent_advantages, baseline_advantages, 
 from comlrl.algorithms.kl import kl_shaped_rewards
 from comlrl.rollout.episodes import Rollout
 from comlrl.parallel.placement import devices_of
-from comlrl.training.policy_update import backpropagate, behaviour_logprobs, policy_losses
+from comlrl.algorithms.losses import loss_normaliser
+from comlrl.training.policy_update import backpropagate, behaviour_logprobs, completion_counts, policy_losses
 from comlrl.training.reference import ReferenceTerms
-from comlrl.trainers.base import MultiAgentTrainer, Stage
+from comlrl.trainers.base import MultiAgentTrainer
+from comlrl.trainers.epochs import Stage
 from comlrl.trainers.reinforce.config import MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 
 
@@ -46,7 +48,9 @@ class MAGRPOTrainer(MultiAgentTrainer):
                 else shared
             for turn_returns in returns:
                 joint = baseline_advantages(turn_returns, args.advantage_mode, args.normalize_advantages)
-                credited = agent_advantages(joint, self.joint_index, args.num_generations)
+                # dropped joint samples (NaN returns) are left out of each completion's credit
+                credited = agent_advantages(joint, self.joint_index, args.num_generations,
+                                            kept=~torch.isnan(turn_returns))
                 per_agent[agent].append(credited[agent].reshape(-1))
         return per_agent
 
@@ -96,8 +100,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
         local = []
         for agent in range(self.num_agents):
             generations = [turn.generations[agent] for turn in rollout.turns]
-            local += [sum(g.completion_ids.shape[0] for g in generations),
-                      sum(int(g.completion_mask.sum()) for g in generations)]
+            local += completion_counts(generations)
         means = self.data_parallel.mean_counts(local)
         return [(means[2 * agent], means[2 * agent + 1]) for agent in range(self.num_agents)]
 
@@ -117,6 +120,10 @@ class MAGRPOTrainer(MultiAgentTrainer):
         passes = args.policy_update_epochs
         agent.train()
         generations = [turn.generations[agent_index] for turn in rollout.turns]
+        counts = counts if counts is not None else completion_counts(generations)
+        # The loss is a mean over this many items (loss_type's normaliser); registering them with the component
+        # makes an accumulated window's gradient the mean over all its items, as one batch of them would give.
+        items = loss_normaliser(args.loss_type, counts[0], counts[1], args.max_new_tokens)
         old = None
         if passes > 1:
             old = reference.behaviour[agent_index] if reference is not None else behaviour_logprobs(
@@ -130,7 +137,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
                 kl_coef=args.reference_kl_coef if kl_loss else 0.0, autocast_dtype=self.autocast_dtype,
                 counts=counts,
             )
-            loss = backpropagate(losses, component.loss_scale)
+            loss = backpropagate(losses, component.item_loss_scale(items))
             if passes > 1:
                 metrics.update(self.record_steps({component.name: component.micro_step()}))
         metrics[f"agent_{agent_index}/loss"] = loss
@@ -142,7 +149,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
         Stage("score", ("rollout",), "rewards", timing="reward_time"),
         Stage("reference", ("rollout",), "reference", timing="update_time"),
         Stage("advantages", ("rewards", "reference", "rollout"), "advantages", timing="update_time"),
-        Stage("update", ("rollout", "advantages", "reference"), "update_metrics", timing="update_time"),
+        Stage("update", ("rollout", "advantages", "reference"), "update_metrics", timing="update_time", updates=True),
     )
 
     def step_metrics(self, values: dict[str, Any]) -> dict[str, float]:

@@ -1,0 +1,264 @@
+"""One training run of a trainer: the loop over its boundaries that ``train()`` and the Prefect flows share.
+
+:meth:`TrainingRun.start` seeds a fresh run or restores a checkpoint. Then, boundary by boundary:
+:meth:`TrainingRun.run_steps` (some or all of the boundary's steps), :meth:`TrainingRun.close_boundary`
+(an epoch's end, or a whole PbRL stage) and :meth:`TrainingRun.save_boundary` (the checkpoint,
+every ``checkpoint_interval`` boundaries); :meth:`TrainingRun.run_boundary` does all three and
+:meth:`TrainingRun.run_all` every boundary. :meth:`TrainingRun.finish` ends the run.
+
+Everything a run guarantees lives here once, whoever drives it:
+
+- **Stop signals**: while a method of the run works, SIGTERM/SIGINT let the current step finish,
+  then ``checkpoint-N-stepS`` is written and :attr:`TrainingRun.stopped` is set (the method returns;
+  ``train()`` raises it). A second signal interrupts at once.
+- **Failures**: an exception in a step is checkpointed the same way when the step had not yet
+  changed any weight (the step's RNGs and counters are put back first, so the resume repeats the
+  step exactly); otherwise the last checkpoint stands (:meth:`TrainingRun.abort`).
+- **Evaluation cadence** (``eval_interval`` steps), logging, the non-finite guard and the metrics
+  history are the trainer's step (:meth:`~comlrl.training.loop.TrainingLoop.take_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from tqdm.auto import tqdm
+
+from comlrl.callbacks import dispatch
+from comlrl.errors import TrainingInterrupted, TrainingStopped
+from comlrl.training.loop import Boundary, resolve_total_limit
+from comlrl.training.metrics import MetricWindow
+from comlrl.training.seeding import set_seed
+from comlrl.training.signals import StopRequest, stop_on_signals
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BoundaryReport:
+    """What one boundary achieved: its checkpoint (None when the cadence skipped it), its metrics (a
+    PbRL stage's own, else the mean of its steps'), the evaluations made during it, its steps and time."""
+
+    boundary: Boundary
+    checkpoint: str | None
+    metrics: dict[str, float]
+    evaluations: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    first_step: int = 0  # global step before the boundary's first step
+    last_step: int = 0
+    seconds: float = 0.0
+
+    @property
+    def evaluation(self) -> dict[str, float]:
+        """The last evaluation made during the boundary ({} without one)."""
+        return dict(self.evaluations[-1][1]) if self.evaluations else {}
+
+
+def mean_step_metrics(history: Sequence[dict[str, Any]], after_step: int) -> dict[str, float]:
+    """The mean of every numeric metric over the history rows after global step ``after_step`` (non-finite values skipped)."""
+    rows = [row for row in history if row.get("step", 0) > after_step]
+    sums: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                sums.setdefault(key, []).append(float(value))
+    return {key: sum(values) / len(values) for key, values in sorted(sums.items())}
+
+
+class TrainingRun:
+    """A started run (see the module docstring); use it as a context manager so that an exception
+    escaping the block is checkpointed (:meth:`abort`)."""
+
+    def __init__(self, trainer: Any, runner: Any, progress_bar: bool | None = None) -> None:
+        self.trainer = trainer
+        self.runner = runner
+        self.request = StopRequest()
+        self.window = MetricWindow()
+        self.stopped: TrainingStopped | None = None
+        self.failure_checkpoint: str | None = None
+        self.reports: list[BoundaryReport] = []
+        self.plan: list[Boundary] = trainer.boundary_plan()
+        self._boundary_started: tuple[float, int, int] | None = None  # (time, global step, evaluations seen)
+        trainer.watch_stop(self.request)
+        show = progress_bar if progress_bar is not None else not getattr(trainer.args, "disable_tqdm", False)
+        self.progress = tqdm(total=trainer.planned_training_steps(), initial=trainer.state.global_step,
+                             disable=not show or not trainer.data_parallel.is_main, desc="train")
+
+    @classmethod
+    def start(cls, trainer: Any, resume_from_checkpoint: Any = None, checkpoint_dir: Any = None,
+              checkpoint_interval: int = 1, checkpoint_total_limit: int | None = None,
+              save_total_limit: int | None = None, progress_bar: bool | None = None) -> "TrainingRun":
+        """Seed a fresh run or restore ``resume_from_checkpoint`` (every check before anything loads), then
+        ``on_train_begin``."""
+        from comlrl.checkpointing.runner import CheckpointRunner
+
+        limit = resolve_total_limit(checkpoint_total_limit, save_total_limit)
+        trainer.check_can_train()
+        runner = CheckpointRunner(trainer, checkpoint_dir=checkpoint_dir, checkpoint_interval=checkpoint_interval,
+                                  resume_from_checkpoint=resume_from_checkpoint, save_total_limit=limit)
+        if runner.resume_path is None and trainer.state.global_step == 0 and trainer.state.boundaries == 0:
+            set_seed(trainer.args.seed)  # a fresh run is reproducible whatever ran before it
+        runner.begin()
+        trainer.data_parallel.seed(trainer.args.seed, trainer.state.global_step)
+        trainer.on_run_begin(resuming=runner.resume_path is not None)
+        dispatch(trainer.callbacks, "on_train_begin", trainer)
+        return cls(trainer, runner, progress_bar)
+
+    # ----- where the run is ------------------------------------------------------------------------
+    @property
+    def next_boundary(self) -> Boundary | None:
+        """The boundary to run next; None once every boundary is done or the run stopped."""
+        done = self.trainer.state.boundaries
+        return self.plan[done] if self.stopped is None and done < len(self.plan) else None
+
+    def steps_left(self) -> int:
+        """Steps of the current boundary still to run before :meth:`close_boundary`."""
+        return self.trainer.steps_left() if self.next_boundary is not None else 0
+
+    # ----- running ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def signals(self) -> Iterator[StopRequest]:
+        """SIGTERM/SIGINT set this run's stop request while the block runs (main thread only)."""
+        with stop_on_signals(self.request) as request:
+            yield request
+
+    @contextlib.contextmanager
+    def _working(self) -> Iterator[None]:
+        """Signals handled, and a stop (a signal, the non-finite guard) turned into :attr:`stopped`."""
+        with self.signals():
+            try:
+                yield
+            except TrainingStopped as stopped:
+                self._stop(stopped)
+
+    def _begin_boundary(self) -> None:
+        if self._boundary_started is None:
+            self._boundary_started = (time.perf_counter(), self.trainer.state.global_step,
+                                      len(self.trainer.evaluations))
+
+    def run_steps(self, count: int | None = None) -> int:
+        """Run up to ``count`` (None: all) of the current boundary's remaining steps; how many ran."""
+        ran = 0
+        with self._working():
+            if self.next_boundary is None:
+                return 0
+            self._begin_boundary()
+            total = self.trainer.steps_left() if count is None else min(count, self.trainer.steps_left())
+            for _ in range(total):
+                self.trainer.take_step(self.window, self.progress)  # raises TrainingInterrupted on a stop request
+                ran += 1
+        return ran
+
+    def close_boundary(self) -> dict[str, float] | None:
+        """End the current boundary once its steps are done (a PbRL stage runs here, whole); its
+        metrics, or None when the run stopped."""
+        if self.steps_left():
+            self.run_steps()
+        with self._working():
+            if self.next_boundary is None:
+                return None
+            self._begin_boundary()
+            metrics = self.trainer.close_boundary()
+            if self.request.requested:
+                raise TrainingInterrupted(f"{self.request.signal_name} received: stopped after "
+                                          f"{self.plan[self.trainer.state.boundaries - 1].label}")
+            return metrics
+        return None
+
+    def save_boundary(self, metrics: dict[str, float] | None = None) -> BoundaryReport:
+        """The checkpoint of the boundary just closed (when ``checkpoint_interval`` says so) and its report."""
+        boundary = self.plan[self.trainer.state.boundaries - 1]
+        started, first_step, seen = self._boundary_started or (time.perf_counter(), self.trainer.state.global_step,
+                                                                len(self.trainer.evaluations))
+        with self.signals():
+            checkpoint = self.runner.on_boundary()
+        if metrics is None or boundary.stage is None:
+            metrics = mean_step_metrics(self.trainer.history, first_step)
+        report = BoundaryReport(boundary, str(checkpoint) if checkpoint is not None else None, metrics,
+                                list(self.trainer.evaluations[seen:]), first_step, self.trainer.state.global_step,
+                                time.perf_counter() - started)
+        self._boundary_started = None
+        self.reports.append(report)
+        return report
+
+    def run_boundary(self) -> BoundaryReport | None:
+        """The current boundary's remaining steps, its end and its checkpoint; None when the run stopped."""
+        metrics = self.close_boundary()
+        if self.stopped is not None:
+            return None
+        return self.save_boundary(metrics)
+
+    def run_all(self) -> list[BoundaryReport]:
+        """Every remaining boundary (until a stop); the reports of this call's boundaries."""
+        reports = []
+        while self.next_boundary is not None:
+            report = self.run_boundary()
+            if report is not None:
+                reports.append(report)
+        return reports
+
+    def finish(self) -> list[dict[str, float]]:
+        """End a completed run: the final checkpoint if the cadence skipped it, ``on_train_end``; the history."""
+        if self.stopped is not None:
+            raise RuntimeError(f"the run stopped ({self.stopped}); resume it instead of finishing it")
+        if self.trainer.state.boundaries < len(self.plan):
+            raise RuntimeError(f"finish() with {len(self.plan) - self.trainer.state.boundaries} boundaries left")
+        self.trainer.on_run_end()
+        with self.signals():
+            self.runner.end()
+        self.progress.close()
+        dispatch(self.trainer.callbacks, "on_train_end", self.trainer)
+        return self.trainer.history
+
+    # ----- stops and failures ----------------------------------------------------------------------
+    def _stop(self, stopped: TrainingStopped) -> None:
+        """A stop between steps: checkpoint where the run is (if it can resume there) and remember why."""
+        trainer = self.trainer
+        if stopped.checkpoint is None and trainer.supports_mid_boundary_checkpoints:
+            path = self.runner.save_interrupted()
+            stopped.checkpoint = str(path) if path is not None else None
+        where = f"; resume from {stopped.checkpoint}" if stopped.checkpoint else ""
+        logger.error("%s%s", stopped, where)
+        self.stopped = stopped
+        self.progress.close()
+
+    def abort(self, error: BaseException) -> str | None:
+        """Save what a resume needs after ``error`` ended the run outside the loop's own stops: a
+        checkpoint of the last completed step when the trainer's state is consistent (the failed
+        step had not changed any weight; its RNGs and counters are put back), else none (the last
+        checkpoint stands). Returns the checkpoint written (also :attr:`failure_checkpoint`)."""
+        if self.stopped is not None:
+            return self.stopped.checkpoint
+        self.progress.close()
+        if not self.trainer.recover_after_failure() or not self.trainer.supports_mid_boundary_checkpoints:
+            logger.error("%s ended the run inside an update; nothing new was saved (the last checkpoint is %s)",
+                         type(error).__name__, self.runner.last_path or "none")
+            return None
+        try:
+            path = self.runner.save_interrupted()
+        except Exception as save_error:  # never mask the error that ended the run
+            logger.error("could not checkpoint after %s: %s", type(error).__name__, save_error)
+            return None
+        self.failure_checkpoint = str(path) if path is not None else None
+        if path is not None:
+            logger.error("%s ended the run after step %d; resume from %s", type(error).__name__,
+                         self.trainer.state.global_step, path)
+        return self.failure_checkpoint
+
+    def last_checkpoint(self) -> str | None:
+        """The newest checkpoint this run wrote or resumed from."""
+        if self.stopped is not None and self.stopped.checkpoint:
+            return self.stopped.checkpoint
+        return self.failure_checkpoint or (str(self.runner.last_path) if self.runner.last_path else None)
+
+    def __enter__(self) -> "TrainingRun":
+        return self
+
+    def __exit__(self, kind: Any, error: BaseException | None, traceback: Any) -> bool:
+        if error is not None:
+            self.abort(error)
+        return False
