@@ -112,7 +112,7 @@ def chunked_logprobs(trainer: Any, chunk: int = 8) -> contextlib.AbstractContext
     from torch.utils.checkpoint import checkpoint
 
     import comlrl.training.policy_update as policy_update
-    from comlrl.training.logprobs import position_ids_from_mask
+    from comlrl.rollout.generation import position_ids_from_mask
 
     def head_logprobs(head, hidden, ids, temperature):
         logits = head(hidden).float() / temperature

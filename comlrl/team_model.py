@@ -13,7 +13,7 @@ It is stored as plain files, so loading it runs no code shipped with the model::
 MLflow loads it through this module (``loader_module="comlrl.team_model"``: MLflow imports the
 installed ``comlrl`` and calls :func:`_load_pyfunc`); nothing is cloudpickled and no code is
 copied into the model. Import paths in ``team.json`` are resolved through the pipeline's
-allow-list (:func:`flows.spec_imports.resolve_callable`), as a run spec's are: the bundled
+allow-list (:func:`comlrl.imports.resolve_callable`), as a run spec's are: the bundled
 ``comlrl.tasks`` and modules the operator lists in ``COMLRL_SPEC_ALLOWED_MODULES``.
 """
 
@@ -102,7 +102,7 @@ class TeamSettings:
 def resolve_import_path(path: str) -> Callable:
     """The callable ``path`` names, allowed by the pipeline's allow-list (bundled tasks and the modules
     listed in ``COMLRL_SPEC_ALLOWED_MODULES``); raises a ValueError naming the path otherwise."""
-    from flows.spec_imports import resolve_callable
+    from comlrl.imports import resolve_callable
 
     return resolve_callable(path, None)
 

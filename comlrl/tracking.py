@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from comlrl.callbacks import TrainerCallback
 from comlrl.tracking_spool import (CALL_THREAD, Sender, Spool, SpoolBusy, SpoolDamaged, SpoolError, find_spools,
-                                   permanent_error, replay)
+                                   mlflow_client, permanent_error, replay)
 
 logger = logging.getLogger(__name__)
 
@@ -205,12 +205,6 @@ def _sync_one(directory: Path, tracking_uri: str | None, deadline: float, unansw
                                                f"syncing again will not bring it back)")
 
 
-def _client(tracking_uri: str) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri)
-
-
 def is_local_store(tracking_uri: str) -> bool:
     """SQLite and file stores keep artifacts where the experiment says; a server manages its own."""
     return tracking_uri.startswith(("sqlite:", "file:")) or "://" not in tracking_uri
@@ -218,7 +212,7 @@ def is_local_store(tracking_uri: str) -> bool:
 
 def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | Path | None = None) -> str:
     """The id of experiment ``name``, created (with ``artifact_root/<name>`` for local stores) if missing."""
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
@@ -242,7 +236,7 @@ def open_run(
     is reused (a run that failed before its first checkpoint); otherwise a new run starts.
     """
     bound_http_retries()
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     if identity and identity.get("run_id"):
         run = client.get_run(identity["run_id"])
         if run.info.status != "RUNNING":
@@ -284,7 +278,7 @@ def log_params(identity: dict[str, Any], params: dict[str, Any]) -> None:
         return
     from mlflow.entities import Param
 
-    client = _client(identity["tracking_uri"])
+    client = mlflow_client(identity["tracking_uri"])
     existing = client.get_run(identity["run_id"]).data.params
     new = [Param(k, v) for k, v in flatten(params).items() if k not in existing]
     for start in range(0, len(new), 100):
@@ -296,7 +290,7 @@ def log_artifact(identity: dict[str, Any], path: str | Path, artifact_path: str 
     if (callback := open_callback(identity)) is not None:
         callback.log_artifact(path, artifact_path)
         return
-    _client(identity["tracking_uri"]).log_artifact(identity["run_id"], str(path), artifact_path)
+    mlflow_client(identity["tracking_uri"]).log_artifact(identity["run_id"], str(path), artifact_path)
 
 
 def finish_run(identity: dict[str, Any], status: str = "FINISHED") -> None:
@@ -304,7 +298,7 @@ def finish_run(identity: dict[str, Any], status: str = "FINISHED") -> None:
     if (callback := open_callback(identity)) is not None:
         callback.set_status(status)
         return
-    _client(identity["tracking_uri"]).set_terminated(identity["run_id"], status=status)
+    mlflow_client(identity["tracking_uri"]).set_terminated(identity["run_id"], status=status)
 
 
 # MLflow run id -> the callback delivering that run's spool in this process.
@@ -385,6 +379,9 @@ class MLflowCallback(TrainerCallback):
                            self.identity["run_id"], self.spool.path)
 
     # ----- the end of a run: bounded waits ------------------------------------------------------
+    def on_train_begin(self, trainer: Any) -> None:
+        trainer.record_tracking_run("mlflow", self.identity)  # checkpoints name the run; a resume logs to it again
+
     def on_train_end(self, trainer: Any) -> None:
         self.flush()
 
@@ -488,7 +485,7 @@ def register_agents(
     reuses the run's versions)."""
     import mlflow
 
-    client = _client(identity["tracking_uri"])
+    client = mlflow_client(identity["tracking_uri"])
     mlflow.set_tracking_uri(identity["tracking_uri"])
     registered = []
     for index, (model, tokenizer, name) in enumerate(zip(models, tokenizers, agent_model_names(base_name, len(models)))):
@@ -528,7 +525,7 @@ def promote(
     The previous holder is kept as tag ``previous_<to_alias>`` on the registered model, so a
     promotion can be rolled back by hand.
     """
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     versions = {}
     for name in names:  # resolve them all first: a missing alias changes nothing
         try:
@@ -554,7 +551,7 @@ def promote(
 
 def aliased_versions(tracking_uri: str, names: Sequence[str], alias: str) -> dict[str, str] | None:
     """``name -> version`` for every name holding ``alias``, or ``None`` if any lacks it."""
-    client = _client(tracking_uri)
+    client = mlflow_client(tracking_uri)
     found = {}
     for name in names:
         try:

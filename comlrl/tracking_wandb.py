@@ -61,12 +61,10 @@ class WandbCallback(TrainerCallback):
     def on_train_begin(self, trainer: Any) -> None:
         if self.run is not None:
             return
-        identities = getattr(trainer, "run_identity", None)
-        saved = identities.get("wandb") if isinstance(identities, dict) else None
-        self.run = self.wandb.init(**init_arguments(self.wandb_config, saved))
+        self.run = self.wandb.init(**init_arguments(self.wandb_config, trainer.run_identity.get("wandb")))
         opened = run_identity(self.run)
-        if opened is not None and isinstance(identities, dict):
-            identities["wandb"] = opened
+        if opened is not None:
+            trainer.record_tracking_run("wandb", opened)
 
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
         if self.run is None:

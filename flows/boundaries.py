@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from comlrl.training.loop import Boundary
-from flows.spec import RunSpec, algorithm_of
+from comlrl.progress import Boundary
+from flows.spec import RunSpec
 
 # Readable names of the PbRL stages (the trainers' STAGES are method names).
 STAGE_TITLES = {
@@ -48,8 +48,7 @@ def task_name(boundary: Boundary, what: str) -> str:
 
 def plan(spec: RunSpec) -> list[Boundary]:
     """Every boundary of the run ``spec`` describes, from its trainer class and config (nothing loads)."""
-    trainer_class, config_class = algorithm_of(spec).load()
-    return trainer_class.plan_boundaries(config_class(**spec.config))
+    return spec.classes()[0].plan_boundaries(spec.trainer_config)
 
 
 def chunks(num_steps: int, steps_per_task: int | None) -> list[range]:

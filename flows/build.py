@@ -10,11 +10,10 @@ from flows.spec import (
     DatasetSource,
     RunSpec,
     TinySource,
-    algorithm_of,
     data_path,
     model_path_or_id,
 )
-from flows.spec_imports import resolve_callable
+from comlrl.imports import resolve_callable
 
 
 def load_dataset_source(source: str | DatasetSource | None, root: Path) -> Any:
@@ -71,7 +70,7 @@ def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callback
     """The trainer the spec describes (models load here, after the spec was validated);
     ``tracking_uri`` is where ``models:/`` sources are looked up."""
     root, workdir = Path(root), Path(workdir)
-    trainer_class, config_class = algorithm_of(spec).load()
+    trainer_class = spec.classes()[0]
     models = {
         key: [model_source(s, root, workdir, tracking_uri) for s in value] if isinstance(value, list)
         else model_source(value, root, workdir, tracking_uri)
@@ -87,7 +86,7 @@ def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callback
         eval_dataset=load_dataset_source(spec.dataset.eval, root),
         callbacks=list(callbacks),
         model_config=spec.model_options or None,
-        args=config_class(**spec.config),
+        args=spec.trainer_config,
     )
 
 
@@ -97,8 +96,7 @@ def with_registered_agents(spec: RunSpec, tracking_uri: str, alias: str) -> RunS
     (e.g. before the first promotion)."""
     from comlrl import tracking
 
-    _, config_class = algorithm_of(spec).load()
-    names = tracking.agent_model_names(spec.registered_name, config_class(**spec.config).num_agents)
+    names = tracking.agent_model_names(spec.registered_name, spec.trainer_config.num_agents)
     versions = tracking.aliased_versions(tracking_uri, names, alias)
     if versions is None:
         return spec

@@ -19,22 +19,10 @@ import os
 import sys
 from pathlib import Path
 
+from flows.environment import configure, where_to_look
+
 
 EXIT_TRACKING_UNREACHABLE = 75  # sysexits' EX_TEMPFAIL: try again once the MLflow server answers
-
-
-def _configure(workdir: str, orchestrate: bool = True) -> None:
-    """The embedded default's settings; with ``orchestrate`` and no ``PREFECT_API_URL``, its Prefect server
-    (:mod:`flows.embedded`, in a process group of its own). Call before Prefect is imported."""
-    from flows.orchestrator import bound_client_waits
-    from flows.runs import configure_embedded_default
-
-    configure_embedded_default(workdir)
-    bound_client_waits()  # before Prefect is imported: it reads its settings then
-    if orchestrate and not os.environ.get("PREFECT_API_URL"):
-        from flows import embedded
-
-        embedded.start(float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")))
 
 
 def _load_spec(spec: str, root: str):
@@ -48,26 +36,11 @@ def _load_spec(spec: str, root: str):
         return None
 
 
-def _where_to_look(workdir: str) -> None:
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    print("\nwhere to look:")
-    if uri.startswith("sqlite:"):
-        artifacts = Path(workdir).resolve() / "mlflow" / "artifacts"
-        print(f"  MLflow UI:   mlflow ui --backend-store-uri {uri} --default-artifact-root {artifacts} --host 127.0.0.1")
-    else:
-        print(f"  MLflow:      {uri}")
-    if os.environ.get("PREFECT_API_URL") and not os.environ.get("COMLRL_EMBEDDED_PREFECT"):
-        print(f"  Prefect:     {os.environ['PREFECT_API_URL'].removesuffix('/api')}")
-    else:
-        print(f"  Prefect UI:  PREFECT_HOME={os.environ.get('PREFECT_HOME')} prefect server start --host 127.0.0.1")
-        print("               (the embedded default keeps its flow-run history there)")
-
-
 def run(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
     if (spec := _load_spec(args.spec, root)) is None:
         return 2
-    _configure(args.workdir)
+    configure(args.workdir)
     from flows.orchestrator import exit_if_unreachable
     from flows.runs import default_run_id
     from flows.training import training_flow
@@ -95,7 +68,7 @@ def report(state, run_id: str, workdir: str) -> int:
 
     if state.is_completed():
         print(json.dumps(state.result(), indent=2))
-        _where_to_look(workdir)
+        where_to_look(workdir)
         return 0
     outcome = state.result(raise_on_failure=False)
     if isinstance(outcome, TrackingUnavailable):
@@ -127,7 +100,7 @@ def serve(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
     if _load_spec(args.spec, root) is None:
         return 2
-    _configure(args.workdir, orchestrate=False)
+    configure(args.workdir, orchestrate=False)
     if not os.environ.get("PREFECT_API_URL"):
         print("comlrl serve needs a Prefect server: start one (bash infra/servers.sh start) and set PREFECT_API_URL",
               file=sys.stderr)
@@ -143,7 +116,7 @@ def promote(args: argparse.Namespace) -> int:
     """Exit status 2 when a model or alias is missing or the gate kept the candidate out; 75 when MLflow
     does not answer within COMLRL_MLFLOW_DEADLINE seconds (default 60), each call bounded as well
     (comlrl.tracking.HTTP_BOUNDS unless the environment sets MLflow's MLFLOW_HTTP_REQUEST_* itself)."""
-    _configure(args.workdir, orchestrate=False)
+    configure(args.workdir, orchestrate=False)
     from comlrl import tracking
     from flows import gate
 

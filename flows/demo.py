@@ -25,9 +25,9 @@ def run_demo(workdir: str, run_id: str | None, verbose: bool) -> dict[str, Any]:
 
     console.install(verbose)
     started = time.perf_counter()
-    from flows.cli import _configure
+    from flows.environment import configure
 
-    _configure(workdir)  # the embedded default (and the Prefect client's bounds), before Prefect is imported
+    configure(workdir)  # the embedded default (and the Prefect client's bounds), before Prefect is imported
     import torch
 
     if "OMP_NUM_THREADS" not in os.environ:  # the tiny models gain nothing from intra-op threads; on a
@@ -59,7 +59,7 @@ def sample_team(result: dict[str, Any]) -> dict[str, Any]:
 
 def print_summary(result: dict[str, Any], sample: dict[str, Any], workdir: str, seconds: float) -> None:
     from flows.boundaries import primary_eval
-    from flows.cli import _where_to_look
+    from flows.environment import where_to_look
 
     metric, score = primary_eval(result["evaluation"])
     rows = result["boundaries"]
@@ -76,4 +76,4 @@ def print_summary(result: dict[str, Any], sample: dict[str, Any], workdir: str, 
     print(f"curves: {directory / 'reward_curve.png'}")
     print(f"resume or repeat: comlrl resume {result['run_id']} --workdir {workdir}")
     print(f"finished in {seconds:.0f} s")
-    _where_to_look(workdir)
+    where_to_look(workdir)

@@ -22,7 +22,8 @@ from typing import Any
 from comlrl import tracking
 from flows import build
 from flows.boundaries import primary_eval
-from flows.registry import mlflow_client, set_version_tags, team_model_name, version_tags
+from comlrl.tracking import mlflow_client
+from flows.registry import set_version_tags, team_model_name, version_tags
 from flows.spec import RunSpec
 
 CHAMPION = "champion"

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from comlrl import tracking
+from comlrl.tracking import mlflow_client
 from comlrl.team_model import TeamSettings, log_team_model, save_team
 from flows.spec import RunSpec
 
@@ -41,12 +42,6 @@ def example_prompts(trainer: Any, count: int = 2) -> list[str]:
 def team_settings(trainer: Any, spec: RunSpec) -> TeamSettings:
     return TeamSettings.from_rollout(trainer.rollout_spec, trainer.num_agents, trainer.dtype, spec.formatters,
                                      spec.transition)
-
-
-def mlflow_client(tracking_uri: str) -> Any:
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=tracking_uri)
 
 
 def _entry(name: str, version: str, alias: str) -> dict[str, str]:

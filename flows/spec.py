@@ -3,7 +3,7 @@
 A spec is data: it is read with PyYAML's safe loader (no tags that build Python objects; duplicate
 keys and oversized alias expansions are errors, :mod:`flows.spec_yaml`), and the only code it can
 name is by import path (``package.module:function``) for rewards, formatters, transitions and
-dataset entry points, each checked against the allow-list of :mod:`flows.spec_imports` before
+dataset entry points, each checked against the allow-list of :mod:`comlrl.imports` before
 anything is imported. :func:`load_spec` checks the whole file and raises :class:`SpecError` listing
 every problem with its path in the file (``config.num_generations``, ``dataset.train.path`` ...),
 before any model loads.
@@ -24,6 +24,7 @@ Example (``flows/specs/letters.yaml`` is the bundled demo)::
 
 from __future__ import annotations
 
+
 import hashlib
 import inspect
 import json
@@ -31,10 +32,10 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from flows.algorithms import ALGORITHMS, Algorithm
-from flows.spec_imports import IMPORT_PATH, resolve_callable
+from comlrl.trainers.algorithms import ALGORITHMS
+from comlrl.imports import IMPORT_PATH, resolve_callable
 from flows.spec_yaml import MAX_SPEC_BYTES, SpecYAMLError, read_spec_yaml
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
@@ -147,7 +148,7 @@ class ExecutionSpec(Strict):
         return self
 
 
-ImportPath = str  # checked by flows.spec_imports.resolve_callable, so every bad path is reported with its location
+ImportPath = str  # checked by comlrl.imports.resolve_callable, so every bad path is reported with its location
 
 
 class RunSpec(Strict):
@@ -164,10 +165,24 @@ class RunSpec(Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     registry: RegistrySpec = Field(default_factory=RegistrySpec)
     execution: ExecutionSpec = Field(default_factory=ExecutionSpec)
+    _built: Any = PrivateAttr(default=None)  # (config as JSON, the config built from it)
 
     @property
     def registered_name(self) -> str:
         return self.registry.model_name or self.name
+
+    def classes(self) -> tuple[type, type]:
+        """The trainer and config classes of ``algorithm``."""
+        return ALGORITHMS[self.algorithm].load()
+
+    @property
+    def trainer_config(self) -> Any:
+        """The trainer's config built from ``config``: once per spec and config (building one checks it, and
+        may warn)."""
+        key = json.dumps(self.config, sort_keys=True, default=str)
+        if self._built is None or self._built[0] != key:
+            self._built = (key, self.classes()[1](**self.config))
+        return self._built[1]
 
 
 def _where(location: tuple[Any, ...]) -> str:
@@ -207,11 +222,17 @@ def model_path_or_id(value: str, root: Path) -> str:
 
 
 def constructor_arguments(trainer_class: type) -> set[str]:
+    """The argument names ``trainer_class`` takes; ``**inputs`` forwards comlrl.trainers.inputs.TrainerInputs."""
+    from comlrl.trainers.inputs import input_names
+
     names: set[str] = set()
     for klass in trainer_class.__mro__:
         if "__init__" in vars(klass):
-            names.update(p.name for p in inspect.signature(klass.__init__).parameters.values()
-                         if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+            for p in inspect.signature(klass.__init__).parameters.values():
+                if p.kind == p.VAR_KEYWORD and p.name == "inputs":
+                    names |= input_names()
+                elif p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                    names.add(p.name)
     return names - MANAGED_ARGUMENTS
 
 
@@ -297,7 +318,7 @@ def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
                 problems.append((f"models.{key}", f"{trainer_class.__name__} takes no model argument {key!r}; "
                                                   f"allowed: {sorted(allowed)}"))
         if not config_errors and not any(path.startswith("models.") for path, _ in problems):
-            problems += model_problems(spec, trainer_class, config_class(**spec.config))
+            problems += model_problems(spec, trainer_class, spec.trainer_config)
     if not spec.models.get("agent_model") and not spec.models.get("agents"):
         problems.append(("models", "set models.agent_model (one model copied num_agents times) or models.agents (a list)"))
     for key, value in spec.models.items():
@@ -390,7 +411,3 @@ def load_spec(path: str | Path, root: str | Path | None = None) -> RunSpec:
     except SpecYAMLError as error:
         raise SpecError(str(path), error.problems) from None
     return parse_spec(data, str(path), root if root is not None else Path.cwd())
-
-
-def algorithm_of(spec: RunSpec) -> Algorithm:
-    return ALGORITHMS[spec.algorithm]

@@ -39,7 +39,7 @@ from prefect.utilities.annotations import quote
 
 from comlrl import tracking
 from comlrl.errors import TrainingInterrupted
-from comlrl.training.loop import Boundary
+from comlrl.progress import Boundary
 from flows import agents, artifacts, boundaries, orchestrator, tasks
 from flows.progress import ProgressArtifact, StepProgress, emit
 from flows.registry import team_model_name
@@ -94,7 +94,6 @@ def start(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, records: l
     progress = StepProgress(1, progress_artifact)
     trainer = tasks.load_entities(spec, root, str(run.workdir), [callback, progress], tracking_uri)
     progress.total = max(trainer.planned_training_steps(), 1)
-    trainer.run_identity["mlflow"] = identity
     if spec.execution.task_runner == "dask":  # each agent's generation and backward pass: a task on Dask
         agents.install(trainer)
     name = f"restore {Path(resume_from).name}" if resume_from else "begin training"

@@ -87,7 +87,7 @@ def test_loss_types_by_hand():
 def test_family_is_exported_under_the_original_names():
     import comlrl.trainers as trainers
     import comlrl.trainers.reinforce as reinforce
-    from flows.algorithms import ALGORITHMS
+    from comlrl.trainers.algorithms import ALGORITHMS
 
     for name, mode in (("MAREINFORCE", "raw"), ("MAReMax", "max"), ("MARLOO", "rloo")):
         config = getattr(trainers, f"{name}Config")()

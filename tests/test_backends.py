@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from comlrl.training.logprobs import completion_logits, completion_logprobs, position_ids_from_mask, token_logprobs
+from comlrl.rollout.generation import position_ids_from_mask
+from comlrl.training.logprobs import completion_logits, completion_logprobs, token_logprobs
 from comlrl.rollout.generation import _generation_config, encode_prompts, generate_completions
 from comlrl.rollout.sampling import SamplingParams
 from comlrl.tiny import save_tiny_model

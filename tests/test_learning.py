@@ -42,23 +42,27 @@ FAMILY = {"mareinforce": ("MAREINFORCE", dict(agent_learning_rate=1e-2)), "marem
           "marloo": ("MARLOO", {})}
 
 
-def build(kind: str, model: str, seed: int):
+def build(kind: str, model: str, seed: int, **changes):
+    """The trainer of ``kind`` with the test's settings; ``changes`` override config fields
+    (benchmarks/learning_spread.py measures other settings through it)."""
     letters = dict(reward_func=letters_reward, train_dataset=TRAIN, eval_dataset=HELD_OUT)
     keywords = dict(reward_func=keywords_reward, train_dataset=TRAIN, eval_dataset=HELD_OUT)
     if kind == "magrpo":
-        return MAGRPOTrainer(agent_model=model, args=MAGRPOConfig(seed=seed, **COMMON), **letters)
+        return MAGRPOTrainer(agent_model=model, args=MAGRPOConfig(seed=seed, **dict(COMMON, **changes)), **letters)
     if kind in FAMILY:
-        name, changes = FAMILY[kind]
-        config = getattr(reinforce, f"{name}Config")(seed=seed, **dict(COMMON, **changes))
+        name, own = FAMILY[kind]
+        config = getattr(reinforce, f"{name}Config")(seed=seed, **dict(COMMON, **own, **changes))
         return getattr(reinforce, f"{name}Trainer")(agent_model=model, args=config, **letters)
     if kind == "iac":
-        return IACTrainer(agent_model=model, critic_model=model, args=IACConfig(seed=seed, **ACTOR_CRITIC), **letters)
+        return IACTrainer(agent_model=model, critic_model=model, args=IACConfig(seed=seed, **dict(ACTOR_CRITIC, **changes)),
+                          **letters)
     if kind == "maac":
-        return MAACTrainer(agent_model=model, critic_model=model, args=MAACConfig(seed=seed, **ACTOR_CRITIC), **letters)
+        return MAACTrainer(agent_model=model, critic_model=model,
+                           args=MAACConfig(seed=seed, **dict(ACTOR_CRITIC, **changes)), **letters)
     if kind == "marlhf":
-        return MARLHFTrainer(agent_model=model, args=MARLHFConfig(seed=seed, **PREFERENCE), **keywords)
-    return MARLHFIterTrainer(agent_model=model, args=MARLHFConfig(seed=seed, num_iterations=2,
-                                                                  **dict(PREFERENCE, num_train_epochs=2)), **keywords)
+        return MARLHFTrainer(agent_model=model, args=MARLHFConfig(seed=seed, **dict(PREFERENCE, **changes)), **keywords)
+    iterative = dict(PREFERENCE, num_train_epochs=2, num_iterations=2)
+    return MARLHFIterTrainer(agent_model=model, args=MARLHFConfig(seed=seed, **dict(iterative, **changes)), **keywords)
 
 
 def held_out_reward(trainer) -> float:

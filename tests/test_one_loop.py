@@ -152,3 +152,14 @@ def test_train_and_comlrl_run_end_in_the_same_place(family, harness, tmp_path):
         for (step, value), (logged_step, logged_value) in zip(expected, history_of):
             assert step == logged_step and (value == logged_value or (math.isnan(value) and math.isnan(logged_value))), (
                 family, name, step, value, logged_value)
+
+
+def test_the_shared_constructor_arguments_are_declared_once():
+    """TrainerInputs (what composites forward as **inputs) names exactly MultiAgentTrainer's arguments besides args."""
+    import inspect
+
+    from comlrl.trainers.base import MultiAgentTrainer
+    from comlrl.trainers.inputs import input_names
+
+    parameters = set(inspect.signature(MultiAgentTrainer.__init__).parameters) - {"self", "args"}
+    assert input_names() == parameters

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 from comlrl.rollout import preferences
 from comlrl.training.metrics import MetricWindow
 from comlrl.trainers.preference.guard import PolicySnapshot
-from comlrl.models.reward_model import JointRewardModel, fit_reward_model, preference_accuracy
+from comlrl.models.reward_model import JointRewardModel
+from comlrl.training.reward_fit import fit_reward_model, preference_accuracy
 from comlrl.trainers import MARLHFConfig as ReexportedConfig
 from comlrl.trainers.preference import MARLHFConfig, MARLHFIterTrainer, MARLHFTrainer
 

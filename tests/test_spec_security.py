@@ -1,5 +1,5 @@
 """Run specs cannot execute arbitrary code, and are validated before anything loads: the import
-allow-list (flows/spec_imports.py), duplicate keys and alias bombs (flows/spec_yaml.py), agent
+allow-list (comlrl/imports.py), duplicate keys and alias bombs (flows/spec_yaml.py), agent
 counts and model options (flows/spec.py)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import yaml
 
 from flows.build import load_dataset_source
 from flows.spec import DatasetSource, SpecError, load_spec, parse_spec
-from flows.spec_imports import ALLOWED_MODULES_VARIABLE, ImportRefused, check_import_path, resolve_callable
+from comlrl.imports import ALLOWED_MODULES_VARIABLE, ImportRefused, check_import_path, resolve_callable
 from flows.spec_yaml import MAX_EXPANDED_NODES, MAX_SPEC_BYTES, read_spec_yaml
 
 SPEC = {

@@ -14,7 +14,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from comlrl.models.entities import check_ids_in_range, check_tokenizer_fits, used_special_tokens
+from comlrl.models.entities import check_tokenizer_fits, used_special_tokens
+from comlrl.rollout.generation import check_ids_in_range
 from comlrl.rollout.generation import SamplingParams, encode_prompts, generate_completions
 from comlrl.tiny import save_tiny_model
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer

@@ -128,7 +128,8 @@ class CheckpointRunner:
             raise CheckpointError(path, io.STATE_FILE, f"{type(trainer).__name__}.load_state_dict refused it: "
                                   f"{type(error).__name__}: {error}") from error
         metadata = contents.metadata
-        trainer.run_identity.update({key: metadata.get(key) for key in ("wandb", "mlflow") if metadata.get(key)})
+        for tracker in ("wandb", "mlflow"):  # the checkpoint's record, absent or not, replaces this process's
+            trainer.record_tracking_run(tracker, metadata.get(tracker) or None)
 
     def check_compatible(self, metadata: dict[str, Any]) -> None:
         """The checkpoint continues this trainer's run: same settings, models and a progress within the plan."""

@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 
 from comlrl.checkpointing import io, lineage, manifest
 from comlrl.errors import CheckpointError
-from comlrl.training.loop import TrainerState
+from comlrl.progress import TrainerState
 
 logger = logging.getLogger(__name__)
 

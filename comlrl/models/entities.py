@@ -17,6 +17,8 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from comlrl.rollout.generation import token_text
+
 logger = logging.getLogger(__name__)
 
 @dataclass
@@ -174,13 +176,6 @@ def used_special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
     return used
 
 
-def _token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str | None:
-    try:
-        return tokenizer.convert_ids_to_tokens(int(token_id))
-    except (IndexError, KeyError, OverflowError, TypeError, ValueError):
-        return None
-
-
 def check_tokenizer_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, role: str) -> None:
     """Compatible means every id the trainer feeds the model has an embedding row: the base vocabulary
     and the special tokens in use. Other added tokens past the embeddings (transformers may add default
@@ -193,14 +188,14 @@ def check_tokenizer_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
     if base > rows:
         raise ValueError(
             f"the tokenizer given for {role} has {base} tokens but the model {name!r} embeds only {rows}: "
-            f"its base-vocabulary ids {rows}..{base - 1} (the first is {_token_text(tokenizer, rows)!r}) "
+            f"its base-vocabulary ids {rows}..{base - 1} (the first is {token_text(tokenizer, rows)!r}) "
             f"have no embedding row; {remedy}"
         )
     used = used_special_tokens(tokenizer)
     for token_id, kind in sorted(used.items()):
         if not 0 <= token_id < rows:
             raise ValueError(
-                f"the {kind} {_token_text(tokenizer, token_id)!r} (id {token_id}) of the tokenizer given for "
+                f"the {kind} {token_text(tokenizer, token_id)!r} (id {token_id}) of the tokenizer given for "
                 f"{role} has no embedding row: the model {name!r} embeds only {rows} tokens (ids 0..{rows - 1}); "
                 f"set a token the model embeds instead, or {remedy}"
             )
@@ -212,27 +207,6 @@ def check_tokenizer_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
             "training never feeds it: %s; a prompt that contains one is refused when it is encoded",
             role, rows, name, listed,
         )
-
-
-def check_ids_in_range(
-    ids: torch.Tensor, num_embeddings: int, where: str = "prompt", tokenizer: PreTrainedTokenizerBase | None = None
-) -> None:
-    """Refuse token ids without an embedding row here, by row and id, rather than as an IndexError
-    deep inside torch. ``ids`` is ``[rows, length]`` (or one row); ``tokenizer`` adds the token text."""
-    if ids.numel() == 0:
-        return
-    rows = ids.reshape(-1, ids.shape[-1]) if ids.dim() > 1 else ids.reshape(1, -1)
-    bad = (rows < 0) | (rows >= num_embeddings)
-    if not bool(bad.any()):
-        return
-    row, column = (int(x) for x in bad.nonzero()[0])
-    token_id = int(rows[row, column])
-    text = f" {_token_text(tokenizer, token_id)!r}" if tokenizer is not None else ""
-    raise ValueError(
-        f"{where} row {row} contains token id {token_id}{text} ({int(bad.sum())} out-of-range id(s) in all), "
-        f"but the model embeds only {num_embeddings} tokens (ids 0..{num_embeddings - 1}); remove that "
-        "token from the input, or resize the model's embeddings (model.resize_token_embeddings(len(tokenizer)))"
-    )
 
 
 def resolve_tokenizers(

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from comlrl.training.logprobs import position_ids_from_mask
+from comlrl.rollout.generation import position_ids_from_mask
 
 
 class ValueHead(nn.Module):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from comlrl.parallel import sharding
-from comlrl.training.seeding import set_seed
+from comlrl.seeding import set_seed
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from comlrl.models.entities import check_ids_in_range
 from comlrl.rollout.sampling import SamplingParams, decode
 
 logger = logging.getLogger(__name__)
@@ -202,3 +201,38 @@ def generate_completions(
         texts=texts,
         num_generations=num_generations,
     )
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, matching what ``generate`` uses."""
+    positions = attention_mask.long().cumsum(dim=1) - 1
+    return positions.clamp(min=0)
+
+
+def check_ids_in_range(
+    ids: torch.Tensor, num_embeddings: int, where: str = "prompt", tokenizer: PreTrainedTokenizerBase | None = None
+) -> None:
+    """Refuse token ids without an embedding row here, by row and id, rather than as an IndexError
+    deep inside torch. ``ids`` is ``[rows, length]`` (or one row); ``tokenizer`` adds the token text."""
+    if ids.numel() == 0:
+        return
+    rows = ids.reshape(-1, ids.shape[-1]) if ids.dim() > 1 else ids.reshape(1, -1)
+    bad = (rows < 0) | (rows >= num_embeddings)
+    if not bool(bad.any()):
+        return
+    row, column = (int(x) for x in bad.nonzero()[0])
+    token_id = int(rows[row, column])
+    text = f" {token_text(tokenizer, token_id)!r}" if tokenizer is not None else ""
+    raise ValueError(
+        f"{where} row {row} contains token id {token_id}{text} ({int(bad.sum())} out-of-range id(s) in all), "
+        f"but the model embeds only {num_embeddings} tokens (ids 0..{num_embeddings - 1}); remove that "
+        "token from the input, or resize the model's embeddings (model.resize_token_embeddings(len(tokenizer)))"
+    )
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str | None:
+    """The token ``token_id`` as the tokenizer writes it (None when it has no such id)."""
+    try:
+        return tokenizer.convert_ids_to_tokens(int(token_id))
+    except (IndexError, KeyError, OverflowError, TypeError, ValueError):
+        return None

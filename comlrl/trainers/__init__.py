@@ -8,31 +8,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from comlrl.trainers.algorithms import ALGORITHMS
+
+# Every trainer and config class of the registry, and the bases and parts users reach for.
 _HOMES = {
+    **{name: home for algorithm in ALGORITHMS.values() for name, home in algorithm.homes.items()},
     "ActorCriticTrainerBase": "comlrl.trainers.actor_critic",
-    "CentralizedMAGRPOConfig": "comlrl.trainers.reinforce",
-    "CentralizedMAGRPOTrainer": "comlrl.trainers.reinforce",
     "JointRewardModel": "comlrl.trainers.preference",
-    "IACConfig": "comlrl.trainers.actor_critic",
-    "IACTrainer": "comlrl.trainers.actor_critic",
-    "MAACConfig": "comlrl.trainers.actor_critic",
-    "MAACTrainer": "comlrl.trainers.actor_critic",
-    "MAGRPOConfig": "comlrl.trainers.reinforce",
-    "MAGRPOTrainer": "comlrl.trainers.reinforce",
-    "MAREINFORCEConfig": "comlrl.trainers.reinforce",
-    "MAREINFORCETrainer": "comlrl.trainers.reinforce",
-    "MAReMaxConfig": "comlrl.trainers.reinforce",
-    "MAReMaxTrainer": "comlrl.trainers.reinforce",
-    "MARLOOConfig": "comlrl.trainers.reinforce",
-    "MARLOOTrainer": "comlrl.trainers.reinforce",
-    "MADPOConfig": "comlrl.trainers.preference",
-    "MADPOIterConfig": "comlrl.trainers.preference",
-    "MADPOIterTrainer": "comlrl.trainers.preference",
-    "MADPOTrainer": "comlrl.trainers.preference",
-    "MARLHFConfig": "comlrl.trainers.preference",
-    "MARLHFIterConfig": "comlrl.trainers.preference",
-    "MARLHFIterTrainer": "comlrl.trainers.preference",
-    "MARLHFTrainer": "comlrl.trainers.preference",
 }
 
 __all__ = sorted(_HOMES)

@@ -31,10 +31,10 @@ from comlrl.models.export import save_pretrained_models
 from comlrl.rollout.rewards import JointReward
 from comlrl.rollout.episodes import Rollout, RolloutSpec, rollout_episodes, score_rollout
 from comlrl.rollout.generation import context_length
-from comlrl.training.seeding import capture_rng_state, restore_rng_state, set_seed
+from comlrl.seeding import capture_rng_state, restore_rng_state, set_seed
 from comlrl.trainers.config import RolloutConfig
 from comlrl.tracking_wandb import wandb_callback
-from comlrl.training.loop import TrainerState
+from comlrl.progress import TrainerState
 from comlrl.trainers.epochs import EpochSteps, activity
 from comlrl.training.optimizer_step import (ModelOptimizer, OptimizerSettings, StepResult,
                                             planned_optimizer_steps)
@@ -182,7 +182,6 @@ class MultiAgentTrainer(EpochSteps):
         # Every trained model's optimizer, schedule and accumulation, by checkpoint name.
         self.model_optimizers: dict[str, ModelOptimizer] = self.build_agent_optimizers()
         self.state = self.new_state()
-        self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
         self.evaluator = None  # what the eval_interval cadence calls (use_evaluator); None: evaluate()
 
     # ----- the training data -----------------------------------------------------------------

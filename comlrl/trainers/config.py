@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
+from comlrl.algorithms.kl import TruncatedSamplingKLWarning, truncated_sampling_warning
 from comlrl.config import ConfigBase, not_supported_yet, option
 from comlrl.parallel.placement import check_placement_format
 from comlrl.rollout.sampling import BACKENDS
@@ -106,6 +108,13 @@ class RolloutConfig(ConfigBase):
     reference_devices: str | list | None = option(
         None, "Devices of the reference models (one, or one per agent); None = beside each agent.",
         kind=(str, list), optional=True)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        kl_coef = self.reference_kl_coef if self.reference_kl_enabled else 0.0
+        message = truncated_sampling_warning(type(self).__name__, kl_coef, self.top_p, self.top_k)
+        if message:  # once, when the config is built: before any model loads
+            warnings.warn(message, TruncatedSamplingKLWarning, stacklevel=4)  # at the caller
 
     def validate(self) -> list[str]:
         problems = []

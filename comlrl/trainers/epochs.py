@@ -26,7 +26,8 @@ from comlrl.callbacks import dispatch
 from comlrl.data import batches, epoch_order
 from comlrl.errors import TrainingInterrupted
 from comlrl.parallel.memory import device_memory_metrics
-from comlrl.training.loop import Boundary, TrainingLoop, epoch_plan, rng_restorer
+from comlrl.progress import Boundary, epoch_plan
+from comlrl.training.loop import TrainingLoop, rng_restorer
 from comlrl.training.metrics import MetricWindow
 
 logger = logging.getLogger(__name__)

@@ -17,12 +17,7 @@ from transformers import DynamicCache, PreTrainedModel
 from comlrl.parallel import sharding
 from comlrl.training.mixed_precision import autocast
 from comlrl.rollout.sampling import cache_argument, forward_parameters
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, matching what ``generate`` uses."""
-    positions = attention_mask.long().cumsum(dim=1) - 1
-    return positions.clamp(min=0)
+from comlrl.rollout.generation import position_ids_from_mask
 
 
 def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

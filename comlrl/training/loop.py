@@ -16,56 +16,13 @@ then the epoch's end) or a PbRL stage (one call). A trainer built on :class:`Tra
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from comlrl.training.seeding import capture_rng_state, restore_rng_state
+from comlrl.progress import Boundary
+from comlrl.seeding import capture_rng_state, restore_rng_state
 from comlrl.training.signals import StopRequest
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainerState:
-    """Training progress: what a checkpoint must restore to continue exactly."""
-
-    epoch: int = 0
-    step_in_epoch: int = 0
-    global_step: int = 0
-    boundaries: int = 0
-    nonfinite_updates: int = 0
-    consecutive_nonfinite: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Boundary:
-    """One boundary of a run's plan: an epoch (``stage`` None) or a PbRL stage of an iteration."""
-
-    number: int  # 1-based
-    total: int
-    stage: str | None = None  # a PbRL stage's method name
-    iteration: int | None = None  # 1-based PbRL iteration
-
-    @property
-    def kind(self) -> str:
-        return "epoch" if self.stage is None else "pbrl_stage"
-
-    @property
-    def label(self) -> str:
-        if self.stage is None:
-            return f"epoch {self.number}"
-        return f"iteration {self.iteration} · {self.stage.replace('_', ' ')}"
-
-
-def epoch_plan(num_epochs: int) -> list[Boundary]:
-    return [Boundary(number, num_epochs) for number in range(1, num_epochs + 1)]
-
-
-def stage_plan(stages: tuple[str, ...], iterations: int) -> list[Boundary]:
-    total = len(stages) * iterations
-    return [Boundary(number, total, stages[(number - 1) % len(stages)], (number - 1) // len(stages) + 1)
-            for number in range(1, total + 1)]
 
 
 class StepGuard:
@@ -107,21 +64,6 @@ def rng_restorer() -> Callable[[], None]:
     """A function that puts every RNG back to its state now."""
     state = capture_rng_state()
     return lambda: restore_rng_state(state)
-
-
-def resolve_total_limit(checkpoint_total_limit: int | None, save_total_limit: int | None) -> int | None:
-    """One checkpoint limit from its two names (``checkpoint_total_limit``, ``save_total_limit``)."""
-    for name, value in (("checkpoint_total_limit", checkpoint_total_limit), ("save_total_limit", save_total_limit)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-    if checkpoint_total_limit is None:
-        return save_total_limit
-    if save_total_limit is not None and save_total_limit != checkpoint_total_limit:
-        raise ValueError(
-            f"checkpoint_total_limit={checkpoint_total_limit!r} and save_total_limit={save_total_limit!r} disagree; "
-            "they name the same setting, give one of them"
-        )
-    return checkpoint_total_limit
 
 
 class TrainingLoop:
@@ -173,6 +115,18 @@ class TrainingLoop:
     def watch_stop(self, request: StopRequest) -> None:
         """Where the steps look for a stop request (SIGTERM/SIGINT)."""
         self.stop_request = request
+
+    @property
+    def run_identity(self) -> dict[str, Any]:
+        """The tracking runs this training logs to (``wandb``, ``mlflow``; None until known): every checkpoint
+        records them, and a resume logs to them again. Set through :meth:`record_tracking_run`."""
+        return self.__dict__.setdefault("_run_identity", {"wandb": None, "mlflow": None})
+
+    def record_tracking_run(self, tracker: str, identity: dict[str, Any] | None) -> None:
+        """Name the ``tracker`` run (``wandb`` / ``mlflow``) this training logs to."""
+        if tracker not in ("wandb", "mlflow"):
+            raise ValueError(f"tracker must be 'wandb' or 'mlflow', got {tracker!r}")
+        self.run_identity[tracker] = identity
 
     @property
     def preference_pairs(self) -> Any:

@@ -31,12 +31,28 @@ from tqdm.auto import tqdm
 
 from comlrl.callbacks import dispatch
 from comlrl.errors import TrainingInterrupted, TrainingStopped
-from comlrl.training.loop import Boundary, resolve_total_limit
+from comlrl.progress import Boundary
 from comlrl.training.metrics import MetricWindow
-from comlrl.training.seeding import set_seed
+from comlrl.seeding import set_seed
 from comlrl.training.signals import StopRequest, stop_on_signals
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_total_limit(checkpoint_total_limit: int | None, save_total_limit: int | None) -> int | None:
+    """One checkpoint limit from its two names (``checkpoint_total_limit``, ``save_total_limit``)."""
+    for name, value in (("checkpoint_total_limit", checkpoint_total_limit), ("save_total_limit", save_total_limit)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    if checkpoint_total_limit is None:
+        return save_total_limit
+    if save_total_limit is not None and save_total_limit != checkpoint_total_limit:
+        raise ValueError(
+            f"checkpoint_total_limit={checkpoint_total_limit!r} and save_total_limit={save_total_limit!r} disagree; "
+            "they name the same setting, give one of them"
+        )
+    return checkpoint_total_limit
+
 
 
 @dataclass

@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from comlrl.callbacks import TrainerCallback
 from comlrl.rollout import preferences
 from comlrl.rollout.generation import prompt_token_limit
 from comlrl.training.metrics import MetricWindow
-from comlrl.training.seeding import capture_rng_state, restore_rng_state
+from comlrl.seeding import capture_rng_state, restore_rng_state
 from comlrl.trainers.preference import replay
 from comlrl.trainers.preference.collect import PreferenceCollection, distribution_metrics
 from comlrl.trainers.preference.comparators import build_comparator
+from comlrl.trainers.inputs import TrainerInputs, Unpack
 from comlrl.trainers.preference.madpo import MADPOTrainer
 from comlrl.trainers.preference.madpo_config import MADPOIterConfig
 from comlrl.trainers.preference.rounds import PbRLState, PreferenceRounds
@@ -47,43 +47,19 @@ class MADPOIterTrainer(PreferenceRounds):
     args: MADPOIterConfig
     STAGES = ("collect_preferences", "prepare_pairs", "learn_policy")
 
-    def __init__(
-        self,
-        agent_model: Any = None,
-        agents: Sequence[Any] | None = None,
-        num_agents: int | None = None,
-        tokenizer: Any = None,
-        reward_func: Callable | Sequence[Callable] | None = None,
-        reward_processor: Callable[[float], float] | None = None,
-        formatters: Callable | Sequence[Callable] | None = None,
-        external_transition: Callable | None = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        callbacks: Sequence[TrainerCallback] | None = None,
-        model_config: dict[str, Any] | None = None,
-        wandb_config: dict[str, Any] | None = None,
-        args: MADPOIterConfig | None = None,
-        metrics_callback: Callable[..., Any] | None = None,
-        eval_logger: Callable[..., Any] | None = None,
-        eval_aggregator: Callable[..., Any] | None = None,
-    ) -> None:
+    def __init__(self, agent_model: Any = None, *, args: MADPOIterConfig | None = None,
+                 **inputs: Unpack[TrainerInputs]) -> None:
+        """``inputs`` are the MADPO policy trainer's (:class:`~comlrl.trainers.inputs.TrainerInputs`)."""
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
             raise ValueError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
-        self.policy_trainer = MADPOTrainer(
-            agent_model=agent_model, agents=agents, num_agents=num_agents, tokenizer=tokenizer,
-            reward_func=reward_func, reward_processor=reward_processor, formatters=formatters,
-            external_transition=external_transition, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            callbacks=callbacks, model_config=model_config, wandb_config=wandb_config, args=self.args,
-            metrics_callback=metrics_callback, eval_logger=eval_logger, eval_aggregator=eval_aggregator,
-        )
+        self.policy_trainer = MADPOTrainer(agent_model=agent_model, args=self.args, **inputs)
         policy = self.policy_trainer  # loads the agents; refuses FSDP launches (MADPOTrainer.fsdp_refusal)
         self.task_reward = policy.reward
         self.comparator = build_comparator(self.args, policy)
         self.collection = PreferenceCollection(self.args, self.args, policy.data_parallel, self.comparator,
                                                self.args.num_generations, self.args.preference_replay_mode)
         self.state = PbRLState(history=policy.history)  # one list: the steps are the policy's
-        self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
         self.output_path = None
         self.window = MetricWindow()
         self.reference: torch.Tensor | None = None  # [agents, chosen/rejected, pairs] of the prepared pairs
@@ -156,7 +132,7 @@ class MADPOIterTrainer(PreferenceRounds):
             self.state.global_step = policy.state.global_step
         self.reference = None
         steps = self.state.history[start:]
-        losses = [row["dpo/loss"] for row in steps if row.get("dpo/loss") == row.get("dpo/loss")]
+        losses = [row["dpo/loss"] for row in steps if isinstance(row.get("dpo/loss"), float) and row["dpo/loss"] == row["dpo/loss"]]
         return {"policy/steps": float(len(steps)),
                 "policy/dpo_loss_mean": sum(losses) / len(losses) if losses else float("nan")}
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from datasets import Dataset
 
@@ -37,13 +37,14 @@ from comlrl.parallel import distributed, sharding
 from comlrl.models import entities
 
 from comlrl.rollout import preferences
-from comlrl.callbacks import TrainerCallback
 from comlrl.parallel.device import resolve_device
 from comlrl.training.metrics import MetricWindow
-from comlrl.models.reward_model import learned_reward, resolve_reward_device
+from comlrl.models.entities import load_tokenizer
+from comlrl.models.reward_model import check_joint_budget, learned_reward, resolve_reward_device
 from comlrl.rollout.rewards import JointReward
-from comlrl.training.seeding import capture_rng_state, restore_rng_state
+from comlrl.seeding import capture_rng_state, restore_rng_state
 from comlrl.trainers.base import resolve_num_samples
+from comlrl.trainers.inputs import TrainerInputs, Unpack
 from comlrl.trainers.preference.comparators import build_comparator
 from comlrl.trainers.preference.config import MARLHFConfig
 from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows, pairwise_agreement
@@ -64,47 +65,23 @@ class MARLHFTrainer(PreferenceRounds):
     fsdp_refusal = ("the joint reward model is not sharded yet; launch with infra/accelerate/multi_gpu.yaml (DDP) "
                     "instead")
 
-    def __init__(
-        self,
-        agent_model: Any = None,
-        agents: Sequence[Any] | None = None,
-        num_agents: int | None = None,
-        tokenizer: Any = None,
-        reward_func: Callable | Sequence[Callable] | None = None,
-        reward_processor: Callable[[float], float] | None = None,
-        formatters: Callable | Sequence[Callable] | None = None,
-        external_transition: Callable | None = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        callbacks: Sequence[TrainerCallback] | None = None,
-        model_config: dict[str, Any] | None = None,
-        wandb_config: dict[str, Any] | None = None,
-        args: MARLHFConfig | None = None,
-        critic_model: Any = None,
-        critics: Sequence[Any] | None = None,
-        metrics_callback: Callable[..., Any] | None = None,
-        eval_logger: Callable[..., Any] | None = None,
-        eval_aggregator: Callable[..., Any] | None = None,
-    ) -> None:
+    def __init__(self, agent_model: Any = None, *, args: MARLHFConfig | None = None, critic_model: Any = None,
+                 critics: Sequence[Any] | None = None, **inputs: Unpack[TrainerInputs]) -> None:
+        """``inputs`` are the policy trainer's (:class:`~comlrl.trainers.inputs.TrainerInputs`: agents,
+        tokenizer, reward_func, datasets, callbacks, ...); the critics are for ``rl_algorithm`` 'maac'/'iac'."""
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
             raise ValueError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
         if distributed.check_launch() is not None:
             sharding.check_shardable(type(self).__name__, self.fsdp_refusal, self.args.lora_rank, [])
-        count = entities.resolve_num_agents(num_agents, self.args.num_agents, self.config_class.__name__)
-        first_actor = entities.model_name(entities.resolve_model_list(agent_model, agents, count)[0])
+        count = entities.resolve_num_agents(inputs.get("num_agents"), self.args.num_agents, self.config_class.__name__)
+        first_actor = entities.model_name(entities.resolve_model_list(agent_model, inputs.get("agents"), count)[0])
         self.reward_model_source = self._reward_model_source(first_actor)
         self._check_reward_device()
         trainer_class, config_class = policy_classes(self.args.rl_algorithm)
         config = policy_config(self.args, config_class)
-        self.policy_trainer = trainer_class(
-            agent_model=agent_model, agents=agents, num_agents=num_agents, tokenizer=tokenizer,
-            reward_func=reward_func, reward_processor=reward_processor, formatters=formatters,
-            external_transition=external_transition, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            callbacks=callbacks, model_config=model_config, wandb_config=wandb_config, args=config,
-            metrics_callback=metrics_callback, eval_logger=eval_logger, eval_aggregator=eval_aggregator,
-            **critic_arguments(self.args, config, critic_model, critics, first_actor),
-        )
+        self.policy_trainer = trainer_class(agent_model=agent_model, args=config, **inputs,
+                                            **critic_arguments(self.args, config, critic_model, critics, first_actor))
         policy = self.policy_trainer
         policy.replan_schedules(self.num_iterations)  # the policy learns in every iteration
         # The policy trains on the learned reward (the task reward rides along as a monitor); the user's
@@ -117,10 +94,12 @@ class MARLHFTrainer(PreferenceRounds):
         )
         options = options_of(self.args)  # MARLHFIterConfig's comparator and replay options, else their defaults
         self.comparator = build_comparator(options, policy)
+        # A reward_max_length that cannot hold the agents' tags and some content fails now, not at the first fit.
+        check_joint_budget(load_tokenizer(self.reward_model_source, self.args.trust_remote_code), policy.num_agents,
+                           self.args.reward_max_length)
         self.preference = PreferenceStage(self.args, options, self.reward_model_source, self.reward_device,
-                                          policy.dtype, policy.data_parallel, self.comparator)
+                                          policy.dtype, policy.data_parallel, self.comparator, policy.num_agents)
         self.state = PbRLState(history=policy.history)  # one list: the steps are the policy's
-        self.run_identity: dict[str, Any] = {"wandb": None, "mlflow": None}
         self.output_path: Path | None = Path(self.args.output_dir) if self.args.output_dir else None
         self.guard: PolicySnapshot | None = None  # set while a guarded policy stage is in progress
 

@@ -9,19 +9,17 @@ reward model, with the task reward attached as a monitor.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Sequence
+
+from comlrl.algorithms.kl import TruncatedSamplingKLWarning
 
 
 def policy_classes(rl_algorithm: str) -> tuple[type, type]:
-    if rl_algorithm == "magrpo":
-        from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+    """The policy stage's trainer and config classes (``MARLHFConfig.rl_algorithm``: magrpo, maac or iac)."""
+    from comlrl.trainers.algorithms import algorithm
 
-        return MAGRPOTrainer, MAGRPOConfig
-    from comlrl.trainers import actor_critic
-
-    if rl_algorithm == "maac":
-        return actor_critic.MAACTrainer, actor_critic.MAACConfig
-    return actor_critic.IACTrainer, actor_critic.IACConfig
+    return algorithm(rl_algorithm).load()
 
 
 def policy_config(args: Any, config_class: type) -> Any:
@@ -34,7 +32,9 @@ def policy_config(args: Any, config_class: type) -> Any:
         )
     shared = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name in names}
     shared["disable_tqdm"] = True
-    return config_class(**{**shared, **args.policy_overrides})
+    with warnings.catch_warnings():  # the preference config has warned about its settings already
+        warnings.simplefilter("ignore", TruncatedSamplingKLWarning)
+        return config_class(**{**shared, **args.policy_overrides})
 
 
 def critic_arguments(args: Any, config: Any, critic_model: Any, critics: Sequence[Any] | None,

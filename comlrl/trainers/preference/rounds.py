@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from comlrl.callbacks import dispatch
-from comlrl.training.loop import Boundary, TrainerState, TrainingLoop, rng_restorer, stage_plan
+from comlrl.progress import Boundary, TrainerState, stage_plan
+from comlrl.training.loop import TrainingLoop, rng_restorer
 from comlrl.training.signals import StopRequest
 
 logger = logging.getLogger(__name__)

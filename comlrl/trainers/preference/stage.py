@@ -19,7 +19,8 @@ import torch
 from datasets import Dataset
 
 from comlrl.rollout import preferences
-from comlrl.models.reward_model import JointRewardModel, fit_reward_model
+from comlrl.models.reward_model import JointRewardModel
+from comlrl.training.reward_fit import fit_reward_model
 from comlrl.rollout.rewards import JointReward
 from comlrl.trainers.preference.collect import PreferenceCollection
 
@@ -28,8 +29,9 @@ class PreferenceStage:
     """Pairs per iteration (collected against the comparator) and the joint reward model fitted on them."""
 
     def __init__(self, args: Any, options: Any, reward_model_source: str, reward_device: torch.device,
-                 dtype: torch.dtype, data_parallel: Any, comparator: Any = None) -> None:
+                 dtype: torch.dtype, data_parallel: Any, comparator: Any = None, num_agents: int | None = None) -> None:
         self.args = args
+        self.num_agents = num_agents
         self.reward_model_source = reward_model_source
         self.reward_device = reward_device
         self.dtype = dtype
@@ -58,7 +60,7 @@ class PreferenceStage:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.args.seed)
             return JointRewardModel.load(self.reward_model_source, self.reward_device, self.dtype,
-                                         self.args.reward_max_length, self.args.trust_remote_code)
+                                         self.args.reward_max_length, self.args.trust_remote_code, self.num_agents)
 
     def fit(self, iteration: int, output_dir: Path | None) -> dict[str, float]:
         pairs = self.training_pairs(iteration)

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
-from comlrl.callbacks import TrainerCallback
-from comlrl.data import Formatter, resolve_formatters
+from comlrl.data import resolve_formatters
 from comlrl.models import entities
 from comlrl.rollout.collaboration import (CollaborationAdapter, as_adapter, role_eval_logger, role_samples_callback,
                                           split_completions)
 from comlrl.rollout.episodes import Rollout
 from comlrl.rollout.rewards import JointReward
+from comlrl.trainers.inputs import TrainerInputs, Unpack
 from comlrl.trainers.reinforce.centralized_config import CentralizedMAGRPOConfig
 from comlrl.trainers.reinforce.magrpo import MAGRPOTrainer
 
@@ -40,29 +40,15 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
     config_class = CentralizedMAGRPOConfig
     args: CentralizedMAGRPOConfig
 
-    def __init__(
-        self,
-        agent_model: Any = None,
-        agents: Sequence[Any] | None = None,
-        num_agents: int | None = None,
-        tokenizer: Any = None,
-        reward_func: Callable | Sequence[Callable] | None = None,
-        reward_processor: Callable[[float], float] | None = None,
-        formatters: Formatter | Sequence[Formatter] | None = None,
-        external_transition: Callable | None = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        callbacks: Sequence[TrainerCallback] | None = None,
-        model_config: dict[str, Any] | None = None,
-        wandb_config: dict[str, Any] | None = None,
-        args: CentralizedMAGRPOConfig | None = None,
-        metrics_callback: Callable[[list[Any]], dict[str, Any]] | None = None,
-        eval_logger: Callable[..., Any] | None = None,
-        eval_aggregator: Callable[..., dict[str, Any]] | None = None,
-        *,
-        collaboration: Any = None,
-        centralized_adapter: Any = None,
-    ) -> None:
+    def __init__(self, agent_model: Any = None, *, args: CentralizedMAGRPOConfig | None = None,
+                 collaboration: Any = None, centralized_adapter: Any = None, **inputs: Unpack[TrainerInputs]) -> None:
+        """``inputs`` as every trainer's (:class:`~comlrl.trainers.inputs.TrainerInputs`); ``num_agents`` counts
+        the roles one model writes."""
+        num_agents, agents, tokenizer = inputs.pop("num_agents", None), inputs.get("agents"), inputs.get("tokenizer")
+        external_transition = inputs.pop("external_transition", None)
+        reward_func, reward_processor = inputs.get("reward_func"), inputs.get("reward_processor")
+        formatters = inputs.pop("formatters", None)
+        metrics_callback, eval_logger = inputs.pop("metrics_callback", None), inputs.pop("eval_logger", None)
         name = type(self).__name__
         args = args if args is not None else self.config_class()
         if not isinstance(args, self.config_class):
@@ -95,9 +81,8 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
         # The base counts models: it sees one agent whose formatter writes the joint prompt.
         one_model = copy.copy(args)
         one_model.num_agents = 1
-        super().__init__(agent_model, agents, 1, tokenizer, reward_func, reward_processor, self.joint_prompt, None,
-                         train_dataset, eval_dataset, callbacks, model_config, wandb_config, one_model,
-                         metrics_callback, eval_logger, eval_aggregator)
+        super().__init__(agent_model=agent_model, num_agents=1, formatters=self.joint_prompt, args=one_model,
+                         metrics_callback=metrics_callback, eval_logger=eval_logger, **inputs)
         self.args = args
         self.reward = role_reward
 

@@ -17,6 +17,8 @@ class CentralizedMAGRPOConfig(MAGRPOConfig):
     number, so a per-model field such as a ``device`` list has one entry.
     """
 
+    writes_every_role = True
+
     num_agents: int = option(2, "Number of roles whose responses the one model writes in each joint completion "
                              "(must agree with the constructor's num_agents); one model is trained.", min=1)
     collaboration_mode: str = option(

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from comlrl.algorithms.advantages import ADVANTAGE_MODES
-from comlrl.algorithms.kl import TruncatedSamplingKLWarning, truncated_sampling_warning
 from comlrl.algorithms.losses import LOSS_TYPES
 from comlrl.config import option
 from comlrl.trainers.config import RolloutConfig
@@ -37,16 +35,12 @@ class MAGRPOConfig(RolloutConfig):
         1, "Gradient passes over each rollout batch (>1 reuses samples off-policy); each pass is one micro-batch "
         "of gradient_accumulation_steps.", min=1)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        message = truncated_sampling_warning(type(self).__name__, self.reference_kl_coef if self.reference_kl_enabled
-                                             else 0.0, self.top_p, self.top_k)
-        if message:  # once, when the config is built: before any model loads
-            warnings.warn(message, TruncatedSamplingKLWarning, stacklevel=4)  # at the caller
+    # Whether one model writes every role (CentralizedMAGRPOConfig), the only kind 'centralized' is for.
+    writes_every_role = False
 
     def validate(self) -> list[str]:
         problems = super().validate()
-        if self.collaboration_mode == "centralized" and not isinstance(self, _centralized_config()):
+        if self.collaboration_mode == "centralized" and not self.writes_every_role:
             problems.append(f"{type(self).__name__}.collaboration_mode='centralized': one model writing every role is "
                             "CentralizedMAGRPOConfig with CentralizedMAGRPOTrainer (run specs: algorithm: "
                             "magrpo_centralized)")
@@ -87,9 +81,3 @@ class MARLOOConfig(MAGRPOConfig):
 
     advantage_mode: str = option("rloo", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
     normalize_advantages: bool = option(False, NORMALIZE_HELP, aliases=("advantage_normalization",))
-
-
-def _centralized_config() -> type:
-    from comlrl.trainers.reinforce.centralized_config import CentralizedMAGRPOConfig
-
-    return CentralizedMAGRPOConfig

@@ -1,8 +1,8 @@
-"""Algorithm names of run specs -> trainer and config classes, and how their boundaries run.
+"""The one registry of algorithms: a name (as run specs and ``MARLHFConfig.rl_algorithm`` write it) -> its
+trainer and config classes, imported only when asked for.
 
-``kind`` says what a boundary (a checkpoint, a transaction in the flow) is:
-``"epochs"`` — one epoch, its steps run as the trainer's ``step_stages`` (one task each);
-``"pbrl"`` — one PbRL stage (collection, reward fit, policy), one task each.
+``kind`` says what a boundary (a checkpoint) is: ``"epochs"`` — one epoch of steps; ``"pbrl"`` —
+one PbRL stage (collection, reward fit, policy update).
 """
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ class Algorithm:
     trainer: str
     config: str
     kind: str = "epochs"
+
+    @property
+    def homes(self) -> dict[str, str]:
+        """Its class names -> the module that defines them (what ``comlrl.trainers`` re-exports)."""
+        return {self.trainer: self.module, self.config: self.module}
 
     def load(self) -> tuple[type, type]:
         """``(trainer_class, config_class)``; ``ImportError`` says which module is missing."""
@@ -42,3 +47,11 @@ ALGORITHMS = {
         Algorithm("madpo_iter", "comlrl.trainers.preference", "MADPOIterTrainer", "MADPOIterConfig", kind="pbrl"),
     )
 }
+
+
+def algorithm(name: str) -> Algorithm:
+    """The algorithm called ``name``; a ``ValueError`` listing the known names otherwise."""
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}") from None

@@ -1,4 +1,4 @@
-"""What code a run spec may name: the allow-list, decided in one place for validation and build.
+"""What code a run spec (or a team model's settings) may name: the allow-list, decided in one place.
 
 A spec names code only as an import path ``package.module:function`` (``reward``,
 ``reward_processor``, ``formatters``, ``transition``, ``dataset.*.entry_point``). A path is
