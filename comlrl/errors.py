@@ -33,3 +33,21 @@ class CheckpointError(ValueError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint directory does not exist."""
+
+
+class CheckpointWriteError(OSError):
+    """Writing a checkpoint failed (a full disk, a file-size limit, a permission): ``checkpoint`` (the
+    directory being written), ``file`` (relative to it) and ``cause`` in words. Earlier checkpoints
+    are intact and no staging directory is left; ``last_good`` names the newest checkpoint on disk
+    (set by the runner)."""
+
+    def __init__(self, checkpoint: object, file: str, cause: str, errno_code: int | None = None,
+                 last_good: str | None = None) -> None:
+        self.checkpoint, self.file, self.cause, self.last_good = str(checkpoint), file, cause, last_good
+        super().__init__(errno_code, f"writing {file} of checkpoint {self.checkpoint!r} failed: {cause}")
+
+    def __str__(self) -> str:
+        return self.strerror + (f"; the last good checkpoint is {self.last_good}" if self.last_good else "")
+
+    def __reduce__(self):
+        return type(self), (self.checkpoint, self.file, self.cause, self.errno, self.last_good)

@@ -4,11 +4,14 @@ Prefect and MLflow settings come from the environment (``PREFECT_API_URL``,
 ``MLFLOW_TRACKING_URI``); without them the embedded default is used: Prefect's ephemeral
 mode and an MLflow SQLite store under the working directory (``--workdir``, default .comlrl).
 
-Exit statuses: 0 done; 2 bad input (spec, run id, path); 69 the Prefect server became unreachable
-(checkpoints are safe; ``comlrl resume`` after a restart finishes the run, see
-:mod:`flows.orchestrator`); 75 the MLflow server did not take the run's records in time
-(training finished, agents not registered; they wait in the run's tracking spool for
-``comlrl sync`` or ``comlrl resume``).
+Exit statuses of ``run``/``resume``: 0 done; 1 training failed (the last completed step is checkpointed
+when the trainer's state allows it; MLflow run FAILED); 2 bad input (spec, run id, path); 69 the
+Prefect server became unreachable (checkpoints are safe; ``comlrl resume`` after a restart finishes
+the run, see :mod:`flows.orchestrator`); 75 the MLflow server did not take the run's records in
+time (training finished, agents not registered; they wait in the run's tracking spool for
+``comlrl sync`` or ``comlrl resume``); 130 / 143 stopped by SIGINT / SIGTERM (``checkpoint-N-stepS``
+written, MLflow run KILLED, flow run Cancelled). ``sync``: see :func:`sync` (65 for an unreadable
+spool). MLflow calls of ``promote`` and ``sync`` give up after ``COMLRL_MLFLOW_DEADLINE`` seconds.
 """
 
 from __future__ import annotations
@@ -188,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("run", run, "train the run a YAML spec describes",
             "Validate SPEC (every problem is listed, nothing loads if any), then run the training flow: one "
-            "transaction per boundary (epoch / PbRL stage) holding its checkpoint, MLflow metrics and artifacts, "
+            "subflow per boundary (epoch / PbRL stage) ending in its checkpoint, MLflow metrics and artifacts, "
             "and the agents registered as <name>-agent-<i> with alias 'candidate'. Running the same spec again "
             "(same --run-id) resumes after the last completed boundary. The spec's execution section picks the "
             "Prefect task runner (execution: {task_runner: dask} runs one task per agent on Dask).")
@@ -198,9 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", metavar="ALIAS", help="start from the registry's ALIAS agents (e.g. champion) if they exist")
 
     p = add("resume", resume, "continue a failed or cancelled run after its last completed boundary",
-            "Re-run RUN_ID with the spec it was started with: completed boundaries are skipped (their Prefect "
-            "transaction records are committed), the last checkpoint is restored, metrics go to the same MLflow "
-            "run, and the final models equal an uninterrupted run's.")
+            "Re-run RUN_ID with the spec it was started with: the run's newest checkpoint (a boundary's, or the "
+            "checkpoint-N-stepS a stop signal or failure left) is restored, finished boundaries are not run again, "
+            "metrics go to the same MLflow run, and the final models equal an uninterrupted run's.")
     p.add_argument("run_id", help="the run id (a directory under WORKDIR/runs)")
 
     p = add("serve", serve, "serve scheduled retraining from the champion (needs a Prefect server)",

@@ -3,11 +3,11 @@
 Layout under the working directory (default ``.comlrl/``)::
 
     prefect/              PREFECT_HOME of the embedded default (ephemeral API database)
-    prefect/storage/      Prefect result storage: the boundary transaction records
+    prefect/storage/      Prefect result storage (the flows persist no results)
     mlflow/mlflow.db      the MLflow SQLite store (when MLFLOW_TRACKING_URI is not set)
     mlflow/artifacts/     its artifact root
     models/               tiny demo models, agents exported from the registry
-    runs/<run_id>/        spec.yaml (as first run), checkpoints/checkpoint-N, reward_curve.png,
+    runs/<run_id>/        spec.yaml (as first run), checkpoints/checkpoint-N[-stepS], boundaries.jsonl, reward_curve.png,
                           resolved_spec.json, team/ (the team model as registered), tracking/
                           (the MLflow spool), result.json, flow.lock (held while a process trains it)
 """

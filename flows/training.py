@@ -140,7 +140,7 @@ def run_boundary(session: Session, number: int) -> dict[str, Any] | None:
             if training.stopped is not None:
                 return None
     metrics = None
-    if boundary.stage is not None:  # an epoch's end is part of its checkpoint task
+    if boundary.stage is not None:  # a PbRL stage's work is its end: one task named after the stage
         metrics = tasks.close_boundary.with_options(task_run_name=boundaries.label(boundary))(
             quote(training), f"{boundary.stage}-b{number}")
     else:

@@ -125,37 +125,94 @@ FULL_DISK_SCRIPT = textwrap.dedent(
     transformers.utils.logging.disable_progress_bar()
     from datasets import Dataset
     from comlrl.callbacks import TrainerCallback
+    from comlrl.errors import CheckpointWriteError
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
     logging.basicConfig(level=logging.ERROR)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # exceeding the limit then fails the write with EFBIG
+    limit, lift_at = int(sys.argv[3]), int(sys.argv[4])
 
     class FillDisk(TrainerCallback):
         def on_epoch_end(self, trainer, epoch):
-            if epoch == 2:  # before checkpoint-2 is written, files may hold only 4 KiB
-                resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+            if epoch == 2:  # before checkpoint-2 is written, files may hold only `limit` bytes
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+            if epoch == lift_at:  # space is back before that epoch's checkpoint
+                resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
     dataset = Dataset.from_dict({"prompt": ["a b", "c d", "e f", "g h"]})
     trainer = MAGRPOTrainer(agent_model=sys.argv[1], num_agents=2, train_dataset=dataset, callbacks=[FillDisk()],
         reward_func=lambda a, b: [float(len(x)) for x in a],
         args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=3,
                           per_device_train_batch_size=2, disable_tqdm=True))
-    trainer.train(checkpoint_dir=sys.argv[2])
+    try:
+        trainer.train(checkpoint_dir=sys.argv[2])
+    except CheckpointWriteError as error:
+        print("CheckpointWriteError:", error.file, "|", error.last_good)
+        raise
     print("finished epochs", trainer.state.epoch)
     """
 )
 
 
-def test_failed_save_keeps_the_previous_checkpoint(tiny_llama, tmp_path):
-    result = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, tiny_llama, str(tmp_path)], capture_output=True,
-                            text=True, cwd=ROOT)
+def run_full_disk(model: str, directory: Path, limit: int, lift_at: int = 0) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, model, str(directory), str(limit), str(lift_at)],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def weights_and_state_sizes(model: str, directory: Path) -> tuple[int, int]:
+    """Sizes of an agent's weights file and of state.pt in a checkpoint of this script's run (no limit)."""
+    result = run_full_disk(model, directory, limit=2**40)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "finished epochs 3" in result.stdout
-    assert "checkpoint save failed" in result.stderr and "File too large" in result.stderr
+    checkpoint = directory / "checkpoint-1"
+    return (checkpoint / "models" / "agent_0.safetensors").stat().st_size, (checkpoint / "state.pt").stat().st_size
+
+
+def test_a_full_disk_names_the_file_and_cause_and_the_final_save_failing_fails_the_run(tiny_llama, tmp_path):
+    result = run_full_disk(tiny_llama, tmp_path, limit=4096)
+    assert result.returncode != 0, "train() returned as if the final model had been saved"
+    last_good = tmp_path / "checkpoint-1"
+    assert f"CheckpointWriteError: models/agent_0.safetensors | {last_good}" in result.stdout, result.stdout
+    assert result.stderr.count("checkpoint save failed") == 1, result.stderr[-3000:]  # checkpoint-2: logged, goes on
+    assert "file too large" in result.stderr and "the final checkpoint was not saved" in result.stderr
+    assert "Traceback" in result.stderr and "could not checkpoint" not in result.stderr
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written staging left
     from comlrl.utils import read_checkpoint_metadata
 
     assert read_checkpoint_metadata(tmp_path / "checkpoint-1")["state"]["epoch"] == 1
+
+
+def test_space_back_before_the_final_save_ends_the_run_normally(tiny_llama, tmp_path):
+    result = run_full_disk(tiny_llama, tmp_path, limit=4096, lift_at=3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "finished epochs 3" in result.stdout
+    assert result.stderr.count("checkpoint save failed") == 1  # checkpoint-2 only
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-3"]
+
+
+def test_torch_save_failing_mid_file_is_named_as_such_not_as_a_serializer_error(tiny_llama, tmp_path):
+    weights, state = weights_and_state_sizes(tiny_llama, tmp_path / "sizes")
+    assert weights < state, (weights, state)  # the limit lets the weights through and stops state.pt
+    result = run_full_disk(tiny_llama, tmp_path / "run", limit=(weights + state) // 2)
+    assert result.returncode != 0
+    assert "CheckpointWriteError: state.pt |" in result.stdout, result.stdout + result.stderr[-3000:]
+    assert "file too large" in result.stderr and "inline_container" not in result.stderr.split("Traceback")[0]
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]
+
+
+def test_a_write_failure_is_described_by_its_cause(tmp_path):
+    import errno
+
+    from comlrl.checkpointing.write_errors import describe
+
+    cause, code = describe(OSError(errno.ENOSPC, "No space left on device"), tmp_path, needed=48 * 2**20)
+    assert code == errno.ENOSPC and cause.startswith("no space left on device: ") and "needs ~48.0 MB" in cause
+    assert re.search(rf"[0-9.]+ [MK]B free in {re.escape(str(tmp_path))},", cause), cause
+    # torch.save's RuntimeError carries no errno: judged from the free space
+    serializer = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4096 vs 4032")
+    cause, code = describe(serializer, tmp_path, needed=2**62)
+    assert code == errno.ENOSPC and cause.startswith("no space left on device")
+    cause, code = describe(OSError(errno.EACCES, "Permission denied"), tmp_path, needed=1)
+    assert cause == "Permission denied (EACCES)" and code == errno.EACCES
 
 
 def test_every_torch_load_is_weights_only():

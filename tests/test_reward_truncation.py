@@ -9,12 +9,12 @@ from comlrl.rollout import preferences
 from comlrl.models.reward_model import (
     JointRewardModel,
     fair_shares,
-    fit_reward_model,
     joint_token_budget,
     pad_rows,
     truncate_joint_ids,
 )
 from comlrl.tiny import save_tiny_model
+from comlrl.training.reward_fit import fit_reward_model
 
 PROMPT = "tell me about the cat and the dog and the sun and the moon"
 LONG = "the sun one two three four five red green blue tree river hill road book"

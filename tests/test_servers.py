@@ -12,7 +12,9 @@ import subprocess
 import sys
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import yaml
@@ -38,20 +40,29 @@ def get_json(url: str, body: dict | None = None) -> dict:
         return json.loads(response.read())
 
 
-@pytest.fixture
-def servers(tmp_path):
-    env = {**os.environ, "COMLRL_SERVICES_DIR": str(tmp_path / "services"), "PREFECT_PORT": str(free_port()),
-           "MLFLOW_PORT": str(free_port()), "COMLRL_START_TIMEOUT": "150", "COMLRL_VENV": str(Path(sys.executable).parent.parent)}
+@contextmanager
+def started_servers(services: Path, *options: str) -> Iterator[dict[str, str]]:
+    """`bash infra/servers.sh start OPTIONS` with its state in ``services`` and every server on a free loopback
+    port; yields the variables it prints to export, and stops what it started (checking that it did)."""
+    env = {**os.environ, "COMLRL_SERVICES_DIR": str(services), "PREFECT_PORT": str(free_port()),
+           "MLFLOW_PORT": str(free_port()), "POSTGRES_PORT": str(free_port()), "COMLRL_START_TIMEOUT": "150",
+           "COMLRL_VENV": str(Path(sys.executable).parent.parent)}
     script = ["bash", str(ROOT / "infra" / "servers.sh")]
     try:
-        started = subprocess.run(script + ["start"], env=env, capture_output=True, text=True, timeout=200)
+        started = subprocess.run(script + ["start", *options], env=env, capture_output=True, text=True, timeout=240)
         assert started.returncode == 0, started.stdout + started.stderr
-        exports = dict(line.removeprefix("export ").split("=", 1) for line in started.stdout.splitlines()
-                       if line.startswith("export "))
-        yield exports
+        yield dict(line.removeprefix("export ").split("=", 1) for line in started.stdout.splitlines()
+                   if line.startswith("export "))
     finally:
-        stopped = subprocess.run(script + ["stop"], env=env, capture_output=True, text=True, timeout=60)
-        assert "stopped prefect" in stopped.stdout and "stopped mlflow" in stopped.stdout, stopped.stdout + stopped.stderr
+        stopped = subprocess.run(script + ["stop"], env=env, capture_output=True, text=True, timeout=90)
+        expected = ["prefect", "mlflow"] + (["postgres"] if "--postgres" in options else [])
+        assert all(f"stopped {name}" in stopped.stdout for name in expected), stopped.stdout + stopped.stderr
+
+
+@pytest.fixture
+def servers(tmp_path):
+    with started_servers(tmp_path / "services") as exports:
+        yield exports
 
 
 def test_the_flow_runs_against_real_prefect_and_mlflow_servers(servers, tmp_path):

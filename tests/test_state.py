@@ -227,8 +227,8 @@ def check_resume(build: Callable[[], Any], checkpoint_dir: pathlib.Path, stop_at
     class Halt(Exception):
         pass
 
-    def save(runner: CheckpointRunner, name: str | None = None) -> pathlib.Path | None:
-        path = original_save(runner, name)
+    def save(runner: CheckpointRunner, name: str | None = None, required: bool = False) -> pathlib.Path | None:
+        path = original_save(runner, name, required)
         assert path is not None, "the checkpoint could not be written"
         boundary = runner.trainer.state.boundaries
         taken[boundary] = (path, snapshot(runner.trainer), weights(runner.trainer))

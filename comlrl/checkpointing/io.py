@@ -49,9 +49,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from comlrl.checkpointing import manifest
+from comlrl.checkpointing import manifest, write_errors
 from comlrl.checkpointing.manifest import COMPLETE_MARKER
-from comlrl.errors import CheckpointError, CheckpointNotFoundError
+from comlrl.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 from comlrl.parallel import sharding
 
 FORMAT_VERSION = 2  # of the layout; a checkpoint of another format is refused
@@ -218,28 +218,50 @@ def write_checkpoint(
     trainer's state dict (tensors and plain values).
     """
     root = Path(checkpoint_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / name
-    staging = Path(tempfile.mkdtemp(prefix=staging_prefix(final.name), dir=root))
+    current = "the checkpoint directory"
+    staging: Path | None = None
     try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=staging_prefix(final.name), dir=root))
         (staging / MODELS_DIR).mkdir()
         for model_name, module in modules.items():
-            file = str(staging / weights_file(model_name))
+            current = weights_file(model_name)
             if isinstance(module, torch.nn.Module):
-                save_model(module, file)
+                save_model(module, str(staging / current))
             else:
-                save_state(module, file)
+                save_state(module, str(staging / current))
+        current = STATE_FILE
         torch.save(state, staging / STATE_FILE)
+        current = HISTORY_FILE
         (staging / HISTORY_FILE).write_text(json.dumps(history or []))
+        current = METADATA_FILE
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
+        current = "manifest.json and COMPLETE"
         manifest.seal(staging)
         _fsync_dir(staging)
+        current = "the directory (rename into place)"
         install(staging, final)
         _fsync_dir(root)
+    except (OSError, RuntimeError, SafetensorError) as error:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, RuntimeError) and not _looks_like_a_write_failure(error):
+            raise
+        needed = write_errors.tensor_bytes(modules) + write_errors.tensor_bytes(state)
+        cause, code = write_errors.describe(error, root, needed)
+        raise CheckpointWriteError(final, current, cause, code) from error
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     return final
+
+
+def _looks_like_a_write_failure(error: RuntimeError) -> bool:
+    """torch's serializer reports a failed write as a RuntimeError (``inline_container``, ``file write failed``)."""
+    text = str(error)
+    return any(mark in text for mark in ("inline_container", "unexpected pos", "write failed", "PytorchStreamWriter"))
 
 
 def install(staging: Path, final: Path) -> None:

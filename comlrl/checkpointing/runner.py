@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors import SafetensorError
 
 import comlrl
 from comlrl.checkpointing import io, lineage, recovery, validate
 from comlrl.checkpointing.io import FORMAT_VERSION
-from comlrl.errors import CheckpointError
+from comlrl.errors import CheckpointError, CheckpointWriteError
 from comlrl.parallel import sharding
 
 logger = logging.getLogger(__name__)
@@ -161,13 +160,15 @@ class CheckpointRunner:
         """The checkpoint of the boundary just completed, when ``checkpoint_interval`` says so (else None)."""
         boundary = self.trainer.state.boundaries
         if self.checkpoint_dir is not None and boundary % self.interval == 0:
-            return self.save()
+            return self.save(required=boundary >= self.trainer.total_boundaries())
         return None
 
     def end(self) -> Path | None:
-        """The final checkpoint, unless the last boundary's is already written."""
+        """The final checkpoint, unless the last boundary's is already written. Its failure raises
+        :class:`~comlrl.errors.CheckpointWriteError` (naming the last good checkpoint): a run never
+        ends as if its final state were saved when it is not."""
         if self.checkpoint_dir is not None and self.last_saved != self.trainer.state.boundaries:
-            return self.save()
+            return self.save(required=True)
         return None
 
     def save_interrupted(self) -> str | None:
@@ -180,8 +181,11 @@ class CheckpointRunner:
         path = self.save(f"{io.CHECKPOINT_PREFIX}{state.boundaries}-step{state.global_step}")
         return str(path) if path is not None else None
 
-    def save(self, name: str | None = None) -> Path | None:
-        """Write a checkpoint; a failed write (e.g. a full disk) is logged and leaves older ones intact.
+    def save(self, name: str | None = None, required: bool = False) -> Path | None:
+        """Write a checkpoint. A failed write (a full disk, a file-size limit) leaves older checkpoints
+        intact and no staging directory; it is logged with its file and cause and the run goes on
+        (None is returned), unless ``required`` (the final save), when it raises
+        :class:`~comlrl.errors.CheckpointWriteError` naming the last good checkpoint.
 
         Under data parallelism rank 0 writes (every rank holds the same weights) and the others
         wait at a barrier until it is on disk; sharded models are first gathered to rank 0 (every
@@ -197,9 +201,15 @@ class CheckpointRunner:
             return self.checkpoint_dir / name
         try:
             return self._write(name, modules, state)
-        except (OSError, SafetensorError) as error:
+        except CheckpointWriteError as error:
             self.failures += 1
-            logger.error("checkpoint save failed (%s); earlier checkpoints are intact and training goes on", error)
+            kept = io.list_checkpoints(self.checkpoint_dir)
+            error.last_good = str(kept[-1]) if kept else "none"
+            if required:
+                logger.error("the final checkpoint was not saved: %s", error)
+                raise
+            logger.error("checkpoint save failed: %s. Training goes on; the run fails at its end unless a "
+                         "later checkpoint is saved", error)
             return None
         finally:
             if parallel is not None:

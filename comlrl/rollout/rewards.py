@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy
 import torch
+
+from comlrl.rollout.reward_calls import BoundedCaller, RewardCallPolicy
 
 RewardFunc = Callable[..., Sequence[float]]
 
@@ -76,6 +80,11 @@ def function_name(func: Callable) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
+def is_number(value: Any) -> bool:
+    """A real number: Python's int/float and numpy's scalars (``numpy.float32``, ``numpy.int64``), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, numpy.bool_))
+
+
 def _as_float(value: int | float) -> float:
     try:
         return float(value)
@@ -94,6 +103,7 @@ class JointReward:
         monitors: dict[str, RewardFunc] | None = None,
         on_invalid: str = "raise",
         num_agents: int | None = None,
+        call_policy: RewardCallPolicy | None = None,
     ) -> None:
         funcs = list(reward_func) if isinstance(reward_func, (list, tuple)) else [reward_func]
         if not funcs:
@@ -123,6 +133,11 @@ class JointReward:
             plan_reward_call(func, num_agents) if num_agents is not None else None for func in self._all_functions()]
         self._per_sample: set[int] = set()  # functions that answer one joint sample per call
         self._monitor_values: dict[str, list[float]] = {name: [] for name in self.monitors}
+        self.caller = BoundedCaller(call_policy)  # retries, timeout, stop requests (comlrl.rollout.reward_calls)
+
+    def watch_stop(self, request: Any) -> None:
+        """Where a wait for a reward call looks for a stop request (SIGTERM/SIGINT)."""
+        self.caller.watch_stop(request)
 
     def _call_one(self, place: int, completions: list[list[str]], batch_items: list[Any]) -> list[float]:
         func = self._all_functions()[place]
@@ -145,7 +160,7 @@ class JointReward:
         checked = []
         for index, value in enumerate(values):
             problem = None
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not is_number(value):
                 problem = f"reward function {name} returned a non-number at index {index}: {value!r}"
             elif not math.isfinite(value := _as_float(value)):
                 problem = f"reward function {name} returned {value} at index {index}; rewards must be finite"
@@ -157,18 +172,14 @@ class JointReward:
                 raise ValueError(problem + " (set invalid_reward='drop' to drop such samples and count them)")
         return checked
 
-    @staticmethod
-    def _values(func: RewardFunc, name: str, plan: RewardCallPlan, prompts: list[str], completions: list[list[str]],
-                batch_items: list[Any]) -> list[Any]:
+    def _values(self, func: RewardFunc, name: str, plan: RewardCallPlan, prompts: list[str],
+                completions: list[list[str]], batch_items: list[Any]) -> list[Any]:
         """What ``func`` returned for these samples, as a list (a bare number is a list of one)."""
         args, kwargs = plan.arguments(prompts, completions, batch_items)
-        try:
-            values = func(*args, **kwargs)
-        except Exception as error:
-            raise RuntimeError(f"reward function {name} raised {type(error).__name__}: {error}") from error
-        if isinstance(values, torch.Tensor):
+        values = self.caller.call(func, name, args, kwargs)  # RewardCallError once its retries are spent
+        if isinstance(values, (torch.Tensor, numpy.ndarray)):
             values = values.reshape(-1).tolist()
-        if isinstance(values, (int, float)) and not isinstance(values, bool):
+        if is_number(values):
             return [values]
         if isinstance(values, (str, bytes, dict)) or not isinstance(values, (list, tuple)):
             kind = type(values).__name__  # a str is refused whole, never read as a list of characters

@@ -32,7 +32,7 @@ from comlrl.rollout.rewards import JointReward
 from comlrl.rollout.episodes import Rollout, RolloutSpec, rollout_episodes, score_rollout
 from comlrl.rollout.generation import context_length
 from comlrl.seeding import capture_rng_state, restore_rng_state, set_seed
-from comlrl.trainers.config import RolloutConfig
+from comlrl.trainers.config import RolloutConfig, reward_call_policy
 from comlrl.tracking_wandb import wandb_callback
 from comlrl.progress import TrainerState
 from comlrl.trainers.epochs import EpochSteps, activity
@@ -105,7 +105,8 @@ class MultiAgentTrainer(EpochSteps):
         if reward_func is None:
             raise ValueError(f"{type(self).__name__} needs reward_func (a callable or a list of callables)")
         self.reward = JointReward(reward_func, self.args.reward_weights, reward_processor,
-                                  on_invalid=self.args.invalid_reward, num_agents=self.num_agents)
+                                  on_invalid=self.args.invalid_reward, num_agents=self.num_agents,
+                                  call_policy=reward_call_policy(self.args))
         for name, hook in (("metrics_callback", metrics_callback), ("eval_logger", eval_logger),
                            ("eval_aggregator", eval_aggregator)):
             if hook is not None and not callable(hook):

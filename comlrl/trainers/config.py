@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from comlrl.algorithms.kl import TruncatedSamplingKLWarning, truncated_sampling_warning
 from comlrl.config import ConfigBase, not_supported_yet, option
 from comlrl.parallel.placement import check_placement_format
+from comlrl.rollout.reward_calls import RewardCallPolicy
 from comlrl.rollout.sampling import BACKENDS
 
 
@@ -72,6 +73,15 @@ class RolloutConfig(ConfigBase):
     disable_tqdm: bool = option(False, "Hide the training progress bar.")
     invalid_reward: str = option("raise", "A non-number, NaN or inf reward: 'raise', or 'drop' the sample (advantage 0) "
                                  "and count it in reward/dropped.", choices=("raise", "drop"))
+    reward_retries: int = option(0, "Retries of a reward call that raised, exited or timed out (backoff "
+                                 "reward_retry_backoff * 2**k s); then the run ends with RewardCallError after "
+                                 "checkpointing the last completed step.", min=0, kind=int)
+    reward_retry_backoff: float = option(1.0, "Seconds before a reward call's first retry; doubled for each next one.",
+                                         min=0.0)
+    reward_timeout: float | None = option(None, "Seconds a reward call may take before it counts as failed (it runs "
+                                          "in a thread then; a stop signal ends the wait at once). None = no limit, "
+                                          "called in the training thread.", min=0.0, min_exclusive=True,
+                                          optional=True)
     prompt_overflow: str = option("truncate", "A prompt that leaves no room for max_new_tokens in the model's context: "
                                   "'truncate' it on the left with a warning, or 'error'.", choices=("truncate", "error"))
     max_nonfinite_updates: int = option(3, "Skip an update whose loss or gradient is NaN/inf; stop the run (with a "
@@ -158,3 +168,8 @@ class RolloutConfig(ConfigBase):
         return problems
 
 
+
+
+def reward_call_policy(args: RolloutConfig) -> RewardCallPolicy:
+    """How the trainer calls its reward functions (``reward_retries``, ``reward_retry_backoff``, ``reward_timeout``)."""
+    return RewardCallPolicy(args.reward_retries, args.reward_retry_backoff, args.reward_timeout)

@@ -99,6 +99,7 @@ class EpochSteps(TrainingLoop):
         """Where the steps look for a stop request, and the progress bar they advance."""
         self.stop_request = request
         self.progress = progress
+        self.reward.watch_stop(request)  # a wait for a reward call ends on a stop request too
 
     def tag_steps(self, **tags: Any) -> None:
         """Fields added to every following history row (e.g. a preference run's ``iteration``)."""

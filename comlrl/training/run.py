@@ -30,7 +30,7 @@ from typing import Any, Iterator, Sequence
 from tqdm.auto import tqdm
 
 from comlrl.callbacks import dispatch
-from comlrl.errors import TrainingInterrupted, TrainingStopped
+from comlrl.errors import CheckpointWriteError, TrainingInterrupted, TrainingStopped
 from comlrl.progress import Boundary
 from comlrl.training.metrics import MetricWindow
 from comlrl.seeding import set_seed
@@ -234,7 +234,8 @@ class TrainingRun:
     def _stop(self, stopped: TrainingStopped) -> None:
         """A stop between steps: checkpoint where the run is (if it can resume there) and remember why."""
         trainer = self.trainer
-        if stopped.checkpoint is None and trainer.supports_mid_boundary_checkpoints:
+        # A stop inside a step (a reward call was awaited) first puts the step's starting point back.
+        if stopped.checkpoint is None and trainer.supports_mid_boundary_checkpoints and trainer.recover_after_failure():
             path = self.runner.save_interrupted()
             stopped.checkpoint = str(path) if path is not None else None
         where = f"; resume from {stopped.checkpoint}" if stopped.checkpoint else ""
@@ -250,6 +251,8 @@ class TrainingRun:
         if self.stopped is not None:
             return self.stopped.checkpoint
         self.progress.close()
+        if isinstance(error, CheckpointWriteError):  # the disk refused a checkpoint: another one would fail too
+            return None
         if not self.trainer.recover_after_failure() or not self.trainer.supports_mid_boundary_checkpoints:
             logger.error("%s ended the run inside an update; nothing new was saved (the last checkpoint is %s)",
                          type(error).__name__, self.runner.last_path or "none")

@@ -104,6 +104,10 @@ class MARLHFTrainer(PreferenceRounds):
         self.guard: PolicySnapshot | None = None  # set while a guarded policy stage is in progress
 
     # ----- construction -----------------------------------------------------------------------
+    def watch_stop(self, request: Any, progress: Any = None) -> None:
+        super().watch_stop(request, progress)
+        self.task_reward.watch_stop(request)  # the user's reward labels pairs and judges the policy
+
     def _reward_model_source(self, first_actor: str | None) -> str:
         source = self.args.reward_model_name or first_actor
         if not source:

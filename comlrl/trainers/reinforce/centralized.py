@@ -23,6 +23,7 @@ from comlrl.rollout.collaboration import (CollaborationAdapter, as_adapter, role
 from comlrl.rollout.episodes import Rollout
 from comlrl.rollout.rewards import JointReward
 from comlrl.trainers.inputs import TrainerInputs, Unpack
+from comlrl.trainers.config import reward_call_policy
 from comlrl.trainers.reinforce.centralized_config import CentralizedMAGRPOConfig
 from comlrl.trainers.reinforce.magrpo import MAGRPOTrainer
 
@@ -72,7 +73,7 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
             raise ValueError(f"{name} needs reward_func (a callable or a list of callables)")
         # The task reward sees the roles, as it would see decentralized agents.
         role_reward = JointReward(reward_func, args.reward_weights, reward_processor, on_invalid=args.invalid_reward,
-                                  num_agents=self.num_roles)
+                                  num_agents=self.num_roles, call_policy=reward_call_policy(args))
         self.role_formatters = resolve_formatters(formatters, self.num_roles)
         if callable(metrics_callback):
             metrics_callback = role_samples_callback(self.collaboration, metrics_callback, args.parse_failure)
