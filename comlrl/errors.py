@@ -4,7 +4,10 @@ from __future__ import annotations
 
 
 class TrainingStopped(Exception):
-    """Training ended before completion; ``checkpoint`` is where it can resume (or None)."""
+    """Training ended before completion; ``checkpoint`` is where it can resume (or None). ``mid_step``:
+    raised inside a step that did not finish (its starting point is put back before a checkpoint)."""
+
+    mid_step = False
 
     def __init__(self, message: str, checkpoint: str | None = None) -> None:
         super().__init__(message)

@@ -14,14 +14,13 @@ Layout under the working directory (default ``.comlrl/``)::
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
+from comlrl.checkpointing.lock import DirectoryLock, DirectoryLockedError
 from flows.spec import NAME, RunSpec, spec_hash
 
 
@@ -96,33 +95,24 @@ class RunPaths:
 
 
 class RunLock:
-    """``runs/<run_id>/flow.lock``, locked (``flock``) by the process that trains the run.
-
-    The operating system drops the lock when that process ends, however it ends, so holding it
-    means that no other live process trains this run from this working directory.
-    """
+    """``runs/<run_id>/flow.lock``, locked by the process that trains the run
+    (:class:`comlrl.checkpointing.lock.DirectoryLock`, one holder per object: the OS drops it when
+    that process ends, however it ends)."""
 
     def __init__(self, run: RunPaths) -> None:
-        self.path = run.directory / "flow.lock"
-        self._file: IO[str] | None = None
+        self._lock = DirectoryLock(run.directory, "flow.lock", what=f"run {run.run_id!r}", shared=False)
+        self.path = self._lock.path
 
     def acquire(self) -> bool:
         """Take the lock if it is free (never waits); whether this process holds it now."""
-        if self._file is not None:
-            return True
-        handle = open(self.path, "a+")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.close()
+            self._lock.acquire()
+        except DirectoryLockedError:
             return False
-        self._file = handle
         return True
 
     def release(self) -> None:
-        if self._file is not None:
-            self._file.close()  # closing the file releases the lock
-            self._file = None
+        self._lock.release()
 
 
 def claim_run(run: RunPaths) -> RunLock:

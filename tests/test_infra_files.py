@@ -87,9 +87,18 @@ def test_every_work_pool_deploys_the_retraining_flow_the_process_pool_runs():
         assert set(deployment["parameters"]) == set(process["parameters"])
         assert deployment["parameters"]["spec_path"] == process["parameters"]["spec_path"]
         assert deployment["schedules"] == process["schedules"]
+        assert deployment["concurrency_limit"] == process["concurrency_limit"]  # one retraining at a time
         assert deployment["parameters"]["workdir"] == RUNS_DIR
         env = deployment["work_pool"]["job_variables"]["env"]
         assert env["PREFECT_LOCAL_STORAGE_PATH"].startswith(RUNS_DIR + "/")  # resumable: on the volume too
+
+
+@pytest.mark.parametrize("deployment_file", [PROCESS, DOCKER, KUBERNETES], ids=["process", "docker", "kubernetes"])
+def test_each_deployment_file_is_what_prefect_deploy_reads(deployment_file):
+    from prefect.cli.deploy._models import PrefectYamlModel  # the model `prefect deploy` validates a file with
+
+    [deployment] = PrefectYamlModel.model_validate(deployment_file).deployments
+    assert deployment.concurrency_limit.collision_strategy == "CANCEL_NEW"
 
 
 def test_the_image_holds_the_project_where_the_container_deployments_pull_it():

@@ -175,7 +175,7 @@ def test_a_full_disk_names_the_file_and_cause_and_the_final_save_failing_fails_t
     assert "file too large" in result.stderr and "the final checkpoint was not saved" in result.stderr
     assert "Traceback" in result.stderr and "could not checkpoint" not in result.stderr
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-written staging left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".") and p.is_dir()]  # no staging left
     from comlrl.utils import read_checkpoint_metadata
 
     assert read_checkpoint_metadata(tmp_path / "checkpoint-1")["state"]["epoch"] == 1
@@ -196,7 +196,7 @@ def test_torch_save_failing_mid_file_is_named_as_such_not_as_a_serializer_error(
     assert result.returncode != 0
     assert "CheckpointWriteError: state.pt |" in result.stdout, result.stdout + result.stderr[-3000:]
     assert "file too large" in result.stderr and "inline_container" not in result.stderr.split("Traceback")[0]
-    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".") and p.is_dir()]
 
 
 def test_a_write_failure_is_described_by_its_cause(tmp_path):
@@ -226,3 +226,41 @@ def test_every_torch_load_is_weights_only():
 
 def test_remote_code_is_off_by_default():
     assert MAGRPOConfig().trust_remote_code is False
+
+
+SLOW_TRAINER = textwrap.dedent(
+    """
+    import sys, time
+    from datasets import Dataset
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+    def slow(a, b):
+        print("training", flush=True)
+        time.sleep(0.5)
+        return [1.0] * len(a)
+
+    trainer = MAGRPOTrainer(agent_model=sys.argv[1], num_agents=2, reward_func=slow,
+        train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"] * 50}),
+        args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=2, disable_tqdm=True))
+    trainer.train(checkpoint_dir=sys.argv[2])
+    """
+)
+
+
+def test_a_second_process_cannot_write_a_checkpoint_directory_in_use(tiny_llama, train_dataset, reward_func, tmp_path):
+    from comlrl.checkpointing.lock import DirectoryLockedError
+
+    other = subprocess.Popen([sys.executable, "-c", SLOW_TRAINER, tiny_llama, str(tmp_path)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert other.stdout.readline().strip() == "training"  # it holds the directory now
+        trainer = build(tiny_llama, train_dataset, reward_func, num_train_epochs=1)
+        with pytest.raises(DirectoryLockedError, match=f"in use by another process \\(pid {other.pid} on "):
+            trainer.train(checkpoint_dir=tmp_path)
+        assert trainer.state.global_step == 0  # refused before any work
+    finally:
+        other.kill()
+        other.wait()
+    trainer = build(tiny_llama, train_dataset, reward_func, num_train_epochs=1)
+    trainer.train(checkpoint_dir=tmp_path)  # the killed holder's lock went with it
+    assert latest_checkpoint(tmp_path).name == "checkpoint-1"

@@ -22,6 +22,7 @@ import torch
 import comlrl
 from comlrl.checkpointing import io, lineage, recovery, validate
 from comlrl.checkpointing.io import FORMAT_VERSION
+from comlrl.checkpointing.lock import DirectoryLock
 from comlrl.errors import CheckpointError, CheckpointWriteError
 from comlrl.parallel import sharding
 
@@ -65,13 +66,27 @@ class CheckpointRunner:
         self.attempt = lineage.new_attempt()
         self.parent_lineage: dict[str, Any] | None = None  # the resumed checkpoint's lineage
         self.recovered: list[str] = []
-        if self.checkpoint_dir is not None:
-            self.on_main(lambda: self.recovered.extend(recovery.recover(self.checkpoint_dir)))
-        self.resume_path = self._resolve_resume(resume_from_checkpoint)
+        # One writer per checkpoint directory: a second process is refused, naming the holder.
+        self.lock = DirectoryLock(self.checkpoint_dir, what=f"checkpoint directory {self.checkpoint_dir}") \
+            if self.checkpoint_dir is not None else None
+        if self.lock is not None:
+            self.on_main(self.lock.acquire)
+        try:
+            if self.checkpoint_dir is not None:
+                self.on_main(lambda: self.recovered.extend(recovery.recover(self.checkpoint_dir)))
+            self.resume_path = self._resolve_resume(resume_from_checkpoint)
+        except BaseException:
+            self.release()
+            raise
         self.last_saved: int | None = None
         self.last_path: Path | None = None  # the newest checkpoint written or resumed from
         self.last_position: tuple[int, int] | None = None  # its (boundaries, global step)
         self.failures = 0
+
+    def release(self) -> None:
+        """Let other processes write to the checkpoint directory (the run ended, however it ended)."""
+        if self.lock is not None:
+            self.lock.release()
 
     def on_main(self, work: Callable[[], Any]) -> None:
         """``work`` in the process that writes checkpoints; the others wait until it is done."""

@@ -116,13 +116,17 @@ class TrainingRun:
         trainer.check_can_train()
         runner = CheckpointRunner(trainer, checkpoint_dir=checkpoint_dir, checkpoint_interval=checkpoint_interval,
                                   resume_from_checkpoint=resume_from_checkpoint, save_total_limit=limit)
-        if runner.resume_path is None and trainer.state.global_step == 0 and trainer.state.boundaries == 0:
-            set_seed(trainer.args.seed)  # a fresh run is reproducible whatever ran before it
-        runner.begin()
-        trainer.data_parallel.seed(trainer.args.seed, trainer.state.global_step)
-        trainer.on_run_begin(resuming=runner.resume_path is not None)
-        dispatch(trainer.callbacks, "on_train_begin", trainer)
-        return cls(trainer, runner, progress_bar)
+        try:
+            if runner.resume_path is None and trainer.state.global_step == 0 and trainer.state.boundaries == 0:
+                set_seed(trainer.args.seed)  # a fresh run is reproducible whatever ran before it
+            runner.begin()
+            trainer.data_parallel.seed(trainer.args.seed, trainer.state.global_step)
+            trainer.on_run_begin(resuming=runner.resume_path is not None)
+            dispatch(trainer.callbacks, "on_train_begin", trainer)
+            return cls(trainer, runner, progress_bar)
+        except BaseException:
+            runner.release()
+            raise
 
     # ----- where the run is ------------------------------------------------------------------------
     @property
@@ -226,6 +230,7 @@ class TrainingRun:
         self.trainer.on_run_end()
         with self.signals():
             self.runner.end()
+        self.runner.release()
         self.progress.close()
         dispatch(self.trainer.callbacks, "on_train_end", self.trainer)
         return self.trainer.history
@@ -235,12 +240,14 @@ class TrainingRun:
         """A stop between steps: checkpoint where the run is (if it can resume there) and remember why."""
         trainer = self.trainer
         # A stop inside a step (a reward call was awaited) first puts the step's starting point back.
-        if stopped.checkpoint is None and trainer.supports_mid_boundary_checkpoints and trainer.recover_after_failure():
+        consistent = not stopped.mid_step or trainer.recover_after_failure()
+        if stopped.checkpoint is None and trainer.supports_mid_boundary_checkpoints and consistent:
             path = self.runner.save_interrupted()
             stopped.checkpoint = str(path) if path is not None else None
         where = f"; resume from {stopped.checkpoint}" if stopped.checkpoint else ""
         logger.error("%s%s", stopped, where)
         self.stopped = stopped
+        self.runner.release()
         self.progress.close()
 
     def abort(self, error: BaseException) -> str | None:
@@ -248,6 +255,12 @@ class TrainingRun:
         checkpoint of the last completed step when the trainer's state is consistent (the failed
         step had not changed any weight; its RNGs and counters are put back), else none (the last
         checkpoint stands). Returns the checkpoint written (also :attr:`failure_checkpoint`)."""
+        try:
+            return self._save_after_failure(error)
+        finally:
+            self.runner.release()
+
+    def _save_after_failure(self, error: BaseException) -> str | None:
         if self.stopped is not None:
             return self.stopped.checkpoint
         self.progress.close()
