@@ -39,8 +39,23 @@ def _load_spec(spec: str, root: str):
         return None
 
 
+def _bad_run_id(run_id: str | None) -> bool:
+    """Print why ``run_id`` is refused (before anything starts); whether it was."""
+    from flows.runs import check_run_id
+
+    try:
+        if run_id is not None:
+            check_run_id(run_id)
+    except ValueError as error:
+        print(f"comlrl: {error}", file=sys.stderr)
+        return True
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
+    if _bad_run_id(args.run_id):
+        return 2
     if (spec := _load_spec(args.spec, root)) is None:
         return 2
     configure(args.workdir)
@@ -88,6 +103,8 @@ def report(state, run_id: str, workdir: str) -> int:
 
 
 def resume(args: argparse.Namespace) -> int:
+    if _bad_run_id(args.run_id):
+        return 2
     directory = Path(args.workdir) / "runs" / args.run_id
     if not (directory / "spec.yaml").is_file():
         known = sorted(p.name for p in (Path(args.workdir) / "runs").glob("*") if p.is_dir())

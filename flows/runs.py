@@ -125,6 +125,14 @@ def claim_run(run: RunPaths) -> RunLock:
     return lock
 
 
+def check_run_id(run_id: str) -> None:
+    """A ``ValueError`` unless ``run_id`` is a safe directory name: letters, digits, '.', '_', '-', at most 128,
+    not starting with '.' or '-' (so never '..', a path or an option)."""
+    if not re.fullmatch(NAME.replace("{0,62}", "{0,127}"), run_id):
+        raise ValueError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-', start with a letter "
+                         f"or digit, and be at most 128 characters long")
+
+
 def default_run_id(spec: RunSpec) -> str:
     return f"{spec.name}-{spec_hash(spec)[:10]}"
 
@@ -133,8 +141,7 @@ def prepare_run(spec: RunSpec, spec_path: str | Path, run_id: str | None, workdi
     """The run's directory; a new run keeps a copy of its spec (and the root its paths are
     relative to, for ``comlrl resume``); a re-run must bring the same spec."""
     run_id = run_id or default_run_id(spec)
-    if not re.match(NAME.replace("{0,62}", "{0,127}"), run_id):
-        raise ValueError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-' (at most 128)")
+    check_run_id(run_id)
     run = RunPaths(run_id, Path(workdir).resolve())
     run.directory.mkdir(parents=True, exist_ok=True)
     digest = spec_hash(spec)

@@ -2,13 +2,34 @@
 # Set up the project's virtual environment (once per pyproject.toml change), then run a job.
 #   bash infra/bootstrap.sh demo [args]   the main job on the embedded default
 #   bash infra/bootstrap.sh test [args]   the test suite
+# The test job also installs the PostgreSQL stack (the `postgres` extra and, as root on Debian, the
+# postgresql package) for tests/test_production_stack.py; COMLRL_POSTGRES=1 asks for it with the demo
+# (bash infra/servers.sh start --postgres), COMLRL_POSTGRES=0 skips it for the tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV="${COMLRL_VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.comlrl-installed"
-WANT="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+job="${1:-demo}"
+if [[ "$job" == test ]]; then POSTGRES="${COMLRL_POSTGRES:-1}"; else POSTGRES="${COMLRL_POSTGRES:-0}"; fi
+EXTRAS="pipeline,lora,test"
+[[ "$POSTGRES" != 1 ]] || EXTRAS+=",postgres"
+WANT="$(sha256sum pyproject.toml | cut -d' ' -f1) $EXTRAS"
+
+# PostgreSQL itself (initdb, pg_ctl, psql) when it is missing, in Debian's /usr/lib/postgresql/N/bin where
+# infra/servers.sh looks. servers.sh makes its own cluster (port 5433); the package's own (5432) is not used.
+if [[ "$POSTGRES" == 1 ]] && ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null && ! command -v initdb >/dev/null; then
+    if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "installing PostgreSQL (apt-get install postgresql) for the PostgreSQL-backed stack"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            postgresql >/dev/null; } || echo "apt-get could not install postgresql: tests/test_production_stack.py" \
+            "is skipped" >&2
+    else
+        echo "PostgreSQL is not installed and this is not root with apt-get: install it (e.g. apt-get install" \
+             "postgresql) or tests/test_production_stack.py is skipped" >&2
+    fi
+fi
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "creating virtual environment $VENV"
@@ -19,12 +40,11 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]]; then
     # The CPU build of torch 2.13.0 where it is available (it lies on this machine's disk);
     # otherwise whatever the project's range admits.
     "$VENV/bin/pip" install --quiet "torch==2.13.0" || "$VENV/bin/pip" install --quiet "torch>=2.6,<=2.14.1"
-    "$VENV/bin/pip" install --quiet -e ".[pipeline,lora,test]"
+    "$VENV/bin/pip" install --quiet -e ".[$EXTRAS]"
     echo "$WANT" > "$STAMP"
 fi
 
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-job="${1:-demo}"
 shift || true
 case "$job" in
     demo)

@@ -67,8 +67,8 @@ class Worker:
         return self.log.read_text(errors="replace")[-characters:]
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL: an idle Prefect 3.9 worker took 25 s to stop on SIGTERM or SIGINT here, and
-        nothing runs by the time the tests are done with it."""
+        """SIGTERM, then SIGKILL: an idle Prefect 3.9.1 worker here logs that it got the signal but has not
+        exited 25 s (or 30 min) later, and nothing runs by the time the tests are done with it."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:

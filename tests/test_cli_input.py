@@ -1,0 +1,32 @@
+"""Issue 26, case 8: a bad run id never starts anything — exit 2 and one line naming it, before Prefect,
+MLflow or a model is started (no traceback; nothing written under the working directory's runs/)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+COMLRL = str(Path(sys.executable).parent / "comlrl")
+
+
+def comlrl(*arguments: str, workdir: Path) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("PREFECT_", "MLFLOW_"))}
+    return subprocess.run([COMLRL, *arguments, "--workdir", str(workdir)], env=env, capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+@pytest.mark.parametrize("run_id", ["../escape", "a" * 207, "bad\x01id", "a/b", ".hidden", "two\nlines"])
+def test_a_bad_run_id_is_refused_before_anything_starts(run_id, tmp_path):
+    for command in (["run", "flows/specs/letters.yaml", "--run-id", run_id], ["resume", run_id]):
+        started = time.monotonic()
+        result = comlrl(*command, workdir=tmp_path / "work")
+        assert result.returncode == 2, (command[0], result.stderr[-2000:])
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("comlrl: run id ") and repr(run_id) in lines[0], lines
+        assert "Traceback" not in result.stderr and not result.stdout.strip()
+        assert not (tmp_path / "work" / "runs").exists() and not (tmp_path / "work" / "prefect").exists()
+        assert time.monotonic() - started < 60
