@@ -164,9 +164,12 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         "## Models",
         "",
     ]
-    for entry in summary["registered"]:
-        lines.append(f"- [{entry['name']} v{entry['version']}]({entry['url']}) (alias `{entry['alias']}`)")
     gate = summary.get("gate")
+    for entry in summary["registered"]:
+        aliases = [entry["alias"]] + (["champion"] if gate and gate["promoted"] and entry["alias"] != "champion" else [])
+        names = ", ".join(f"`{alias}`" for alias in aliases)
+        lines.append(f"- [{entry['name']} v{entry['version']}]({entry['url']}) (alias{'es' if len(aliases) > 1 else ''} "
+                     f"{names})")
     if gate:
         lines += ["", f"Gate: {'promoted to champion' if gate['promoted'] else 'not promoted'} ({gate['reason']})."]
     lines += ["", "## Where", "", f"- MLflow run: [{summary['mlflow_run_id']}]({summary['mlflow_run_url']})",

@@ -334,7 +334,7 @@ def run_files(session: Session, spec: RunSpec, run: RunPaths) -> list[tuple[str,
                    if (value := boundaries.primary_eval(metrics)[1]) is not None]
     curve = tasks.plot_curves(quote(trainer.history), evaluations, str(run.directory / "reward_curve.png"))
     resolved = run.directory / "resolved_spec.json"
-    config = dataclasses.asdict(getattr(trainer, "args"))
+    config = dataclasses.asdict(trainer.args)
     resolved.write_text(json.dumps({**spec.model_dump(mode="json"), "config": config}, indent=2, default=str))
     files = [(curve, "plots"), (str(run.spec_copy), "spec"), (str(resolved), "spec")]
     files += [(str(path / "metadata.json"), f"checkpoints/{path.name}")

@@ -191,6 +191,8 @@ def test_the_run_publishes_progress_table_link_and_summary_artifacts(runs, serve
     for fact in ("Trained **magrpo** with 2 agents", "data/letters/train.parquet", "## Results", "epoch 2",
                  f"uxtest-team v{team['version']}", "checkpoint-2"):
         assert fact in summary, fact
+    team_line = next(line for line in summary.splitlines() if f"uxtest-team v{team['version']}" in line)
+    assert team_line.endswith("(aliases `candidate`, `champion`)"), team_line  # the gate promoted it
     assert "promoted to **champion**" in markdown["ux-strong-gate"]
 
 
