@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -218,7 +219,26 @@ def model_path_or_id(value: str, root: Path) -> str:
         return str(candidate)
     if not re.match(r"^[\w.-]+(/[\w.-]+)?$", value):
         raise ValueError(f"{value!r} is neither a model directory, a hub identifier nor a models:/ URI")
+    if hub_offline() and not in_hub_cache(value):
+        raise ValueError(f"{value!r} is no directory under {str(root)!r} and, as a hub id, not in the local Hugging "
+                         "Face cache, and HF_HUB_OFFLINE is set: give a model directory (e.g. ./models/NAME), or "
+                         "download it first")
     return value
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def in_hub_cache(repo_id: str) -> bool:
+    """Whether the local Hugging Face cache holds ``repo_id``'s config.json (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a valid repo id
+        return False
+    return isinstance(found, str)
 
 
 def constructor_arguments(trainer_class: type) -> set[str]:

@@ -30,3 +30,19 @@ def test_a_bad_run_id_is_refused_before_anything_starts(run_id, tmp_path):
         assert "Traceback" not in result.stderr and not result.stdout.strip()
         assert not (tmp_path / "work" / "runs").exists() and not (tmp_path / "work" / "prefect").exists()
         assert time.monotonic() - started < 60
+
+
+def test_a_hub_id_that_is_not_available_offline_is_refused_at_validation(tmp_path):
+    spec = (ROOT / "flows" / "specs" / "letters.yaml").read_text()
+    lines = [("  agent_model: my-models/llama-7b" if line.startswith("  agent_model:") else line)
+             for line in spec.splitlines()]
+    (tmp_path / "hub.yaml").write_text("\n".join(lines) + "\n")
+    started = time.monotonic()
+    result = subprocess.run([COMLRL, "run", str(tmp_path / "hub.yaml"), "--root", str(ROOT), "--workdir",
+                             str(tmp_path / "work")], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "models.agent_model: 'my-models/llama-7b' is no directory under" in result.stderr
+    assert "not in the local Hugging Face cache" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "work" / "runs").exists()
+    assert time.monotonic() - started < 60
