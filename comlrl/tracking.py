@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
 
+from comlrl.executables import executable
 from comlrl.callbacks import TrainerCallback
 from comlrl.tracking_spool import (CALL_THREAD, Sender, Spool, SpoolBusy, SpoolDamaged, SpoolError, find_spools,
                                    mlflow_client, permanent_error, replay)
@@ -419,7 +420,7 @@ class MLflowCallback(TrainerCallback):
         return (f"MLflow at {self.identity['tracking_uri']} did not take all of run {self.identity['run_id']}'s "
                 f"records within {self.drain_timeout:g} s{reason}. Training is unaffected and the spool keeps them: "
                 f"{len(records)} records ({metrics} metric values, {artifacts} artifacts) wait in {self.spool.path}. "
-                f"Once the server answers, replay them into the same run with:  comlrl sync {self.spool.directory}"
+                f"Once the server answers, replay them into the same run with:  {executable('comlrl')} sync {self.spool.directory}"
                 f"{lost}")
 
     def unavailable(self) -> TrackingUnavailable:

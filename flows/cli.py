@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from flows.environment import configure, where_to_look
+from comlrl.executables import executable
 
 
 EXIT_TRACKING_UNREACHABLE = 75  # sysexits' EX_TEMPFAIL: try again once the MLflow server answers
@@ -70,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
                                     workdir=args.workdir, root=root, init_from_alias=args.init_from,
                                     return_state=True)
     except KeyboardInterrupt:  # a second stop signal: the step in progress is lost, earlier checkpoints are not
-        print(f"\ncomlrl: interrupted twice; continue from the newest checkpoint with:  comlrl resume {run_id} "
-              f"--workdir {args.workdir}", file=sys.stderr)
+        print(f"\ncomlrl: interrupted twice; continue from the newest checkpoint with:  "
+              f"{executable('comlrl')} resume {run_id} --workdir {args.workdir}", file=sys.stderr)
         return 130
     except Exception as error:
         exit_if_unreachable(run_id, args.workdir, error)  # ends the process (69) when Prefect is down
@@ -90,15 +91,15 @@ def report(state, run_id: str, workdir: str) -> int:
         return 0
     outcome = state.result(raise_on_failure=False)
     if isinstance(outcome, TrackingUnavailable):
-        print(f"\ncomlrl: {outcome}\nThen register the agents with:  comlrl resume {run_id} --workdir {workdir}",
-              file=sys.stderr)
+        print(f"\ncomlrl: {outcome}\nThen register the agents with:  "
+              f"{executable('comlrl')} resume {run_id} --workdir {workdir}", file=sys.stderr)
         return EXIT_TRACKING_UNREACHABLE
     if isinstance(outcome, dict) and "exit_status" in outcome:  # a stop: a signal, or the non-finite guard
         print(f"\ncomlrl: {state.message}", file=sys.stderr)
         return outcome["exit_status"] or 1
     cause = f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, BaseException) else state.message
     print(f"\ncomlrl: run {run_id} failed ({cause}). Completed work is in its checkpoints; after fixing the cause, "
-          f"continue with:  comlrl resume {run_id} --workdir {workdir}", file=sys.stderr)
+          f"continue with:  {executable('comlrl')} resume {run_id} --workdir {workdir}", file=sys.stderr)
     return 1
 
 

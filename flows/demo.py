@@ -60,6 +60,7 @@ def sample_team(result: dict[str, Any]) -> dict[str, Any]:
 def print_summary(result: dict[str, Any], sample: dict[str, Any], workdir: str, seconds: float) -> None:
     from flows.boundaries import primary_eval
     from flows.environment import where_to_look
+    from comlrl.executables import executable
 
     metric, score = primary_eval(result["evaluation"])
     rows = result["boundaries"]
@@ -74,6 +75,6 @@ def print_summary(result: dict[str, Any], sample: dict[str, Any], workdir: str, 
     directory = Path(workdir) / "runs" / result["run_id"]
     print(f"checkpoint: {result['checkpoint']}")
     print(f"curves: {directory / 'reward_curve.png'}")
-    print(f"resume or repeat: comlrl resume {result['run_id']} --workdir {workdir}")
+    print(f"resume or repeat: {executable('comlrl')} resume {result['run_id']} --workdir {workdir}")
     print(f"finished in {seconds:.0f} s")
     where_to_look(workdir)

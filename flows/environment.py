@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from comlrl.executables import executable
+
 
 def configure(workdir: str, orchestrate: bool = True) -> None:
     """The embedded default's settings; with ``orchestrate`` and no ``PREFECT_API_URL``, its Prefect server
@@ -26,11 +28,13 @@ def where_to_look(workdir: str) -> None:
     print("\nwhere to look:")
     if uri.startswith("sqlite:"):
         artifacts = Path(workdir).resolve() / "mlflow" / "artifacts"
-        print(f"  MLflow UI:   mlflow ui --backend-store-uri {uri} --default-artifact-root {artifacts} --host 127.0.0.1")
+        print(f"  MLflow UI:   {executable('mlflow')} ui --backend-store-uri {uri} --default-artifact-root {artifacts} "
+              "--host 127.0.0.1")
     else:
         print(f"  MLflow:      {uri}")
     if os.environ.get("PREFECT_API_URL") and not os.environ.get("COMLRL_EMBEDDED_PREFECT"):
         print(f"  Prefect:     {os.environ['PREFECT_API_URL'].removesuffix('/api')}")
     else:
-        print(f"  Prefect UI:  PREFECT_HOME={os.environ.get('PREFECT_HOME')} prefect server start --host 127.0.0.1")
+        print(f"  Prefect UI:  PREFECT_HOME={os.environ.get('PREFECT_HOME')} {executable('prefect')} server start "
+              "--host 127.0.0.1")
         print("               (the embedded default keeps its flow-run history there)")

@@ -22,6 +22,7 @@ from typing import Any
 from comlrl import tracking
 from flows import build
 from flows.boundaries import primary_eval
+from comlrl.executables import executable
 from comlrl.tracking import mlflow_client
 from flows.registry import set_version_tags, team_model_name, version_tags
 from flows.spec import RunSpec
@@ -54,7 +55,8 @@ def decide(candidate_score: float | None, champion_score: float | None, has_cham
     if not has_champion:
         return True, "no champion yet"
     if candidate_score is None:
-        return False, "the run has no eval set to compare on; promote by hand with comlrl promote --force"
+        return False, (f"the run has no eval set to compare on; promote by hand with "
+                       f"{executable('comlrl')} promote MODEL --force")
     if champion_score is None:
         return False, "the champion could not be evaluated on this run's eval set"
     if candidate_score >= champion_score:

@@ -31,6 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from comlrl.executables import executable
+
 EXIT_ORCHESTRATOR_UNREACHABLE = 69  # sysexits' EX_UNAVAILABLE: a service the command needs is down
 # One retry (after about 2 s) rides out a dropped connection; during an outage every API call of
 # the flow (state changes, artifacts) then costs about 2 s instead of Prefect's default minute.
@@ -160,7 +162,7 @@ def exit_if_unreachable(run_id: str, workdir: str, error: BaseException | None =
     if (run / "spec.yaml").is_file():
         then = (f"Training state is safe: every completed boundary's checkpoint is under {run / 'checkpoints'}. "
                 f"Restart the server, then finish the run from its last checkpoint with:  "
-                f"comlrl resume {run_id} --workdir {workdir}")
+                f"{executable('comlrl')} resume {run_id} --workdir {workdir}")
     else:
         then = "The run had not started. Run the same command again once the server answers."
     sys.stdout.flush()

@@ -41,6 +41,7 @@ from comlrl import tracking
 from comlrl.errors import TrainingInterrupted
 from comlrl.progress import Boundary
 from flows import agents, artifacts, boundaries, orchestrator, tasks
+from comlrl.executables import executable
 from flows.progress import ProgressArtifact, StepProgress, emit
 from flows.registry import team_model_name
 from flows.runs import RunPaths, claim_run, default_tracking_uri, prepare_run
@@ -200,7 +201,7 @@ def boundary_in_subflow(session: Session, boundary: Boundary) -> dict[str, Any] 
 def stop_message(session: Session) -> str:
     stopped = session.run.stopped
     where = f"checkpoint {stopped.checkpoint}" if stopped.checkpoint else "no checkpoint could be written"
-    return (f"{stopped} — {where}; continue with: comlrl resume {session.paths.run_id} "
+    return (f"{stopped} — {where}; continue with: {executable('comlrl')} resume {session.paths.run_id} "
             f"--workdir {session.paths.workdir}")
 
 

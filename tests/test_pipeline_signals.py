@@ -185,6 +185,16 @@ def test_a_stop_signal_checkpoints_the_last_step_and_resume_finishes_the_run(num
     assert interrupted in message
 
     resumed = comlrl("resume", run_id, workdir=workdir)
+    if number == signal.SIGINT:  # a stop reaches `comlrl resume` too: SIGTERM while it trains epoch 3
+        second = workdir / "runs" / run_id / "checkpoints" / "checkpoint-2"
+        wait_for(lambda: (second / "metadata.json").is_file(), resumed)
+        time.sleep(0.5)
+        os.killpg(resumed.pid, signal.SIGTERM)
+        code, out, err = finish(resumed)
+        assert code == 143 and "Traceback" not in err, err[-3000:]
+        [again] = [name for name in checkpoints(workdir, run_id) if name.startswith("checkpoint-2-step")]
+        assert again in err and all_gone(workdir) and mlflow_status(workdir, run_id) == "KILLED"
+        resumed = comlrl("resume", run_id, workdir=workdir)
     code, out, err = finish(resumed)
     assert code == 0, err[-3000:]
     assert mlflow_status(workdir, run_id) == "FINISHED"
