@@ -357,3 +357,61 @@ def test_the_error_crosses_processes(resumer, copy):
     error = pickle.loads(pickle.dumps(refused(resumer, copy)))
     assert isinstance(error, CheckpointError) and (error.checkpoint, error.file) == (str(copy), "history.json")
     assert "has 2 bytes but" in str(error)
+
+
+# ----- confinement: a checkpoint's files are its own (issue 26, case 6) --------------------------------
+def test_a_weights_file_linked_to_another_runs_is_refused(resumer, copy, saved, tmp_path):
+    other = tmp_path / "other-run.safetensors"
+    shutil.copyfile(saved / "models" / "agent_0.safetensors", other)
+    (copy / "models" / "agent_0.safetensors").unlink()
+    (copy / "models" / "agent_0.safetensors").symlink_to(other)
+    seal(copy)  # even resealed, as an attacker or a careless script would
+    error = refused(resumer, copy)
+    assert error.file == "models/agent_0.safetensors" and "symbolic link" in error.problem and str(other) in error.problem
+
+
+def test_a_checkpoint_that_is_a_link_is_refused(resumer, saved, tmp_path):
+    link = tmp_path / "checkpoint-1"
+    link.symlink_to(saved)
+    error = refused(resumer, link)
+    assert error.file is None and "symbolic link" in error.problem
+
+
+def test_weights_in_another_dtype_are_refused(resumer, copy):
+    file = copy / "models" / "agent_0.safetensors"
+    weights = load_file(str(file))
+    save_file({name: tensor.half() for name, tensor in weights.items()}, str(file))
+    seal(copy)
+    error = refused(resumer, copy)
+    assert error.file == "models/agent_0.safetensors" and "is float16 but metadata.json records float32" in error.problem
+
+
+def test_a_run_loaded_in_another_dtype_is_refused(tiny_llama, saved):
+    trainer = MAGRPOTrainer(agent_model=tiny_llama, num_agents=2, train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"]}),
+                            reward_func=lambda a, b: [1.0] * len(a), model_config={"dtype": "bfloat16"},
+                            args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=2,
+                                              per_device_train_batch_size=2, seed=3, disable_tqdm=True))
+    with pytest.raises(CheckpointError, match="is bfloat16 here but float32 in the checkpoint"):
+        trainer.train(resume_from_checkpoint=saved)
+    assert trainer.state.global_step == 0
+
+
+def test_state_without_its_rng_entry_is_refused(resumer, copy):
+    state = torch.load(copy / "state.pt", weights_only=True)
+    del state["rng"]
+    torch.save(state, copy / "state.pt")
+    seal(copy)
+    error = refused(resumer, copy)
+    assert error.file == "state.pt" and "has no 'rng'" in error.problem
+
+
+def test_an_archive_folder_that_is_a_link_is_refused(tiny_llama, tmp_path):
+    run = tmp_path / "run"
+    build(tiny_llama, 2).train(checkpoint_dir=run)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "abandoned").symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="abandoned.*symbolic link"):
+        build(tiny_llama, 2).train(checkpoint_dir=run, resume_from_checkpoint=run / "checkpoint-1")
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert not list(elsewhere.iterdir())

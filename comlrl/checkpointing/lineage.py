@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from comlrl.checkpointing import io
+from comlrl.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ def archive_later(checkpoint_dir: Path, position: tuple[int, int]) -> list[tuple
     later = later_checkpoints(checkpoint_dir, position)
     if not later:
         return []
+    for place in [checkpoint_dir / ARCHIVE_DIR, *(checkpoint_dir / ARCHIVE_DIR).glob("*")]:
+        if place.is_symlink():  # it would move this run's checkpoints somewhere else
+            raise CheckpointError(checkpoint_dir, place.relative_to(checkpoint_dir).as_posix(),
+                                  f"is a symbolic link (to {os.readlink(place)!r}); the archive of abandoned "
+                                  "checkpoints must lie inside the checkpoint directory")
     moves: list[tuple[str, str]] = []
     for checkpoint in later:
         folder = Path(ARCHIVE_DIR) / attempt_of(checkpoint)

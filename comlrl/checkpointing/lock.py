@@ -1,27 +1,24 @@
-"""One writer per directory: an advisory lock (``flock``) on a file in it, held while a process writes there.
+"""One writer per directory: an advisory lock (``flock``) held while a process writes there.
 
-The operating system drops the lock when its process ends, however it ends, so a held lock means a
-live process. The lock file names its holder (host, pid, since when), and a second process that
-finds the lock taken gets :class:`DirectoryLockedError` saying who holds it. With ``shared=True`` the
-lock is shared within one process: a trainer built after an earlier one in the same process (a
-resume in the same interpreter) takes it over rather than locking itself out; otherwise every
-:class:`DirectoryLock` object is a holder of its own (a second one in the same process is refused).
+The lock is taken on the directory itself (or, for a named lock, on a file in it), so a
+checkpoint directory gains no file. The operating system drops it when its process ends, however
+it ends, so a held lock means a live process; a second process that finds it taken gets
+:class:`DirectoryLockedError` naming the holder's pid (read from ``/proc/locks``). With
+``shared=True`` the lock is shared within one process: a trainer built after an earlier one in the
+same process (a resume in the same interpreter) takes it over rather than locking itself out;
+otherwise every :class:`DirectoryLock` object is a holder of its own (a second one in the same
+process is refused).
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import socket
 import threading
-import time
 from pathlib import Path
-from typing import IO
 
-LOCK_FILE = ".comlrl.lock"
-
-_held: dict[str, tuple[IO[str], int]] = {}  # resolved path -> (open locked file, holders in this process)
+_held: dict[str, tuple[int, int]] = {}  # resolved path -> (locked descriptor, holders in this process)
 _guard = threading.Lock()
 
 
@@ -30,35 +27,41 @@ class DirectoryLockedError(RuntimeError):
 
     def __init__(self, path: Path, holder: str, what: str) -> None:
         self.path, self.holder = path, holder
-        super().__init__(f"{what} is in use by another process ({holder or 'holder unknown'}; lock file {path}): "
-                         "wait for it to end, or use another directory")
+        super().__init__(f"{what} is in use by another process ({holder or 'holder unknown'}; it holds an flock on "
+                         f"{path}): wait for it to end, or use another directory")
 
 
-def _holder_text(handle: IO[str]) -> str:
+def _holder_text(descriptor: int) -> str:
+    """``pid N`` of the process holding an flock on the file behind ``descriptor`` (Linux /proc/locks)."""
     try:
-        handle.seek(0)
-        record = json.loads(handle.read() or "{}")
-        return f"pid {record['pid']} on {record['host']} since {record['since']}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+        inode = os.fstat(descriptor).st_ino
+        with open("/proc/locks") as locks:
+            for line in locks:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(inode):
+                    return f"pid {fields[4]} on {socket.gethostname()}"
+    except (OSError, ValueError):
+        pass
+    return ""
 
 
 class DirectoryLock:
     """The lock of ``directory`` (file ``name`` in it); :meth:`acquire` never waits."""
 
-    def __init__(self, directory: str | Path, name: str = LOCK_FILE, what: str | None = None,
+    def __init__(self, directory: str | Path, name: str | None = None, what: str | None = None,
                  shared: bool = True) -> None:
-        self.path = Path(directory) / name
+        self.directory = Path(directory)
+        self.path = self.directory / name if name else self.directory
         self.what = what or f"directory {directory}"
         self.shared = shared
         self._key: str | None = None
-        self._own: IO[str] | None = None  # the locked file of an unshared lock
+        self._own: int | None = None  # the locked descriptor of an unshared lock
 
     def acquire(self) -> "DirectoryLock":
         """Take the lock, or raise :class:`DirectoryLockedError` naming the holder."""
         if self.held:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
         if not self.shared:
             self._own = self._lock_file()
             return self
@@ -72,24 +75,20 @@ class DirectoryLock:
             self._key = key
         return self
 
-    def _lock_file(self) -> IO[str]:
-        handle = open(self.path, "a+")
+    def _lock_file(self) -> int:
+        flags = os.O_RDONLY if self.path == self.directory else os.O_RDWR | os.O_CREAT
+        descriptor = os.open(self.path, flags, 0o644)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            holder = _holder_text(handle)
-            handle.close()
+            holder = _holder_text(descriptor)
+            os.close(descriptor)
             raise DirectoryLockedError(self.path, holder, self.what) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                 "since": time.strftime("%Y-%m-%d %H:%M:%S")}))
-        handle.flush()
-        return handle
+        return descriptor
 
     def release(self) -> None:
         if self._own is not None:
-            self._own.close()  # closing the file releases the lock
+            os.close(self._own)  # closing the descriptor releases the lock
             self._own = None
         if self._key is None:
             return
@@ -99,7 +98,7 @@ class DirectoryLock:
                 _held[self._key] = (handle, count - 1)
             else:
                 del _held[self._key]
-                handle.close()  # closing the file releases the lock
+                os.close(handle)  # closing the descriptor releases the lock
         self._key = None
 
     @property

@@ -30,9 +30,20 @@ logger = logging.getLogger(__name__)
 
 
 def model_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
-    """What must match for saved weights to mean the same thing: class and parameter shapes."""
-    shapes = {name: list(tensor.shape) for name, tensor in module.state_dict().items()}
-    return {"class": sharding.model_class(module).__name__, "num_tensors": len(shapes), "shapes": shapes}
+    """What must match for saved weights to mean the same thing: class, tensor shapes and dtypes."""
+    tensors = module.state_dict()
+    shapes = {name: list(tensor.shape) for name, tensor in tensors.items()}
+    dtypes = {name: str(tensor.dtype).removeprefix("torch.") for name, tensor in tensors.items()}
+    return {"class": sharding.model_class(module).__name__, "num_tensors": len(shapes), "shapes": shapes,
+            "dtypes": dtypes}
+
+
+def same_model(saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether a checkpoint's fingerprint fits this model (a checkpoint written before dtypes were
+    recorded is compared without them)."""
+    if "dtypes" not in saved:
+        current = {key: value for key, value in current.items() if key != "dtypes"}
+    return saved == current
 
 
 def _describe_shape_difference(saved: dict[str, Any], current: dict[str, Any]) -> str:
@@ -41,6 +52,10 @@ def _describe_shape_difference(saved: dict[str, Any], current: dict[str, Any]) -
     for key in sorted(set(saved["shapes"]) | set(current["shapes"])):
         if saved["shapes"].get(key) != current["shapes"].get(key):
             return f"tensor {key!r} has shape {current['shapes'].get(key)} here but {saved['shapes'].get(key)} in the checkpoint"
+    for key in sorted(saved.get("dtypes", {})):
+        if saved["dtypes"][key] != current.get("dtypes", {}).get(key):
+            return (f"tensor {key!r} is {current.get('dtypes', {}).get(key)} here but {saved['dtypes'][key]} in the "
+                    "checkpoint (load the models in the dtype the run was trained in)")
     return "weights differ"
 
 
@@ -162,7 +177,7 @@ class CheckpointRunner:
             refuse(f"models {sorted(modules)} here but {sorted(metadata['models'])} in the checkpoint")
         for name, module in modules.items():
             fingerprint = model_fingerprint(module)
-            if fingerprint != metadata["models"][name]:
+            if not same_model(metadata["models"][name], fingerprint):
                 refuse(f"{name}: {_describe_shape_difference(metadata['models'][name], fingerprint)}")
         trainer.check_resume_progress(metadata["state"])
         total = trainer.total_boundaries()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import logging
 import typing
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ def read_checkpoint(path: str | Path, trainer: Any = None) -> CheckpointContents
     """
     path = Path(path)
     io.require_present(path)
+    check_no_links(path)
     sealed = manifest.is_sealed(path)
     if sealed:
         manifest.verify(path)
@@ -172,6 +174,11 @@ def check_models_record(models: dict[str, Any], fail: Callable[[str], None]) -> 
         for tensor, shape in shapes.items():
             if not isinstance(shape, list) or not all(_is_int(size) and size >= 0 for size in shape):
                 fail(f"models.{name}.shapes[{tensor!r}] is {_shown(shape)}, expected a list of sizes")
+        dtypes = fingerprint.get("dtypes")
+        if dtypes is not None and (not isinstance(dtypes, dict) or set(dtypes) != set(shapes)
+                                   or not all(isinstance(d, str) and isinstance(getattr(torch, d, None), torch.dtype)
+                                              for d in dtypes.values())):
+            fail(f"models.{name}.dtypes is {_shown(dtypes)}, expected a torch dtype name for every tensor of shapes")
 
 
 def progress_fields(trainer: Any = None) -> dict[str, type]:
@@ -250,6 +257,18 @@ def check_history(path: Path, history: Any, metadata: dict[str, Any]) -> None:
 
 
 # ----- files --------------------------------------------------------------------------------------
+def check_no_links(path: Path) -> None:
+    """A checkpoint's files are its own: neither the directory nor anything in it is a symbolic link
+    (a link could lend another run's weights to this one's optimizer state)."""
+    if path.is_symlink():
+        raise CheckpointError(path, None, f"is a symbolic link (to {os.readlink(path)!r}); a checkpoint must be a "
+                              "directory of its own")
+    for entry in sorted(path.rglob("*")):
+        if entry.is_symlink():
+            raise CheckpointError(path, entry.relative_to(path).as_posix(),
+                                  f"is a symbolic link (to {os.readlink(entry)!r}); a checkpoint's files must be its own")
+
+
 def check_layout(path: Path, metadata: dict[str, Any]) -> None:
     """The files present are exactly the layout's: the weights of the models listed, nothing else."""
     expected = {io.METADATA_FILE, io.HISTORY_FILE, io.STATE_FILE} | {io.weights_file(n) for n in metadata["models"]}
@@ -276,6 +295,10 @@ def check_weights(path: Path, relative: str, fingerprint: dict[str, Any]) -> Non
                 tensor = handle.get_tensor(name)
                 if list(tensor.shape) != shapes[name]:
                     fail(f"tensor {name!r} has shape {list(tensor.shape)} but metadata.json records {shapes[name]}")
+                dtype = fingerprint.get("dtypes", {}).get(name)
+                if dtype is not None and str(tensor.dtype).removeprefix("torch.") != dtype:
+                    fail(f"tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')} but metadata.json records "
+                         f"{dtype}")
                 if not all_finite(tensor):
                     fail(f"tensor {name!r} holds NaN or infinite values")
     except (SafetensorError, OSError, RuntimeError, ValueError) as error:
@@ -339,6 +362,9 @@ def check_state_structure(contents: CheckpointContents, trainer: Any) -> None:
     same kind of value (a table, a list, a tensor of the same kind, an integer, a string, ...)."""
     template = trainer.state_dict()
     template.pop("progress", None)  # checked against the progress fields already
+    if "rng" in template and isinstance(contents.state, dict) and "rng" not in contents.state:
+        _failing(contents.path, io.STATE_FILE)("has no 'rng' (the RNG states): resumed without them the run would "
+                                               "not continue as it would have")
     _match(contents.state, template, "", _failing(contents.path, io.STATE_FILE))
 
 
