@@ -97,7 +97,12 @@ def root_module_file(module: str, root: Path) -> Path | None:
     top = module.split(".")[0]
     for candidate in (root / f"{top}.py", root / top / "__init__.py"):
         if candidate.is_file():
-            return candidate.resolve()
+            resolved = candidate.resolve()
+            linked = candidate.is_symlink() or (root / top).is_symlink()
+            if linked or not resolved.is_relative_to(Path(root).resolve()):
+                raise ImportRefused(f"the spec root's module {top!r} is a symbolic link to {str(resolved)!r}: a root "
+                                    "module must be a file of the root (it was not imported)")
+            return resolved
     return None
 
 

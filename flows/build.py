@@ -11,6 +11,8 @@ from flows.spec import (
     RunSpec,
     TinySource,
     data_path,
+    dataset_name,
+    entry_point_paths,
     model_path_or_id,
 )
 from comlrl.imports import resolve_callable
@@ -26,7 +28,9 @@ def load_dataset_source(source: str | DatasetSource | None, root: Path) -> Any:
         path = data_path(source.path, root)
         return datasets.load_dataset(DATA_SUFFIXES[path.suffix], data_files={"rows": str(path)}, split="rows")
     if source.name:
-        return datasets.load_dataset(source.name, source.config, split=source.split)
+        return datasets.load_dataset(dataset_name(source.name, root), source.config, split=source.split)
+    if entry_point_paths(source.kwargs, root):  # as at validation
+        raise ValueError(f"dataset entry point {source.entry_point}: {entry_point_paths(source.kwargs, root)}")
     rows = resolve_callable(source.entry_point, root)(**source.kwargs)  # the allow-list again, as at validation
     return rows if isinstance(rows, datasets.Dataset) else datasets.Dataset.from_list(list(rows))
 

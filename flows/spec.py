@@ -205,15 +205,44 @@ def data_path(value: str, root: Path) -> Path:
     return path
 
 
+def looks_like_a_path(value: Any) -> bool:
+    return isinstance(value, str) and (value.startswith(("/", ".", "~")) or os.sep in value or "\\" in value)
+
+
+def dataset_name(value: str, root: Path) -> str:
+    """A hub dataset name; a path (which ``datasets.load_dataset`` would read from disk) is refused."""
+    local = (value.startswith(("/", ".", "~")) or value.count("/") > 1 or "\\" in value
+             or (root / value).exists() or Path(value).exists())
+    if local:
+        raise ValueError(f"{value!r} is a path, not a hub dataset name: a dataset on disk goes in path (a file "
+                         f"under {str((root / 'data').resolve())!r})")
+    return value
+
+
+def entry_point_paths(kwargs: dict[str, Any], root: Path) -> list[tuple[str, str]]:
+    """``(keyword, problem)`` for every keyword argument of a dataset entry point that names a path outside
+    ``root/data`` (the only place a spec may make an entry point read or write)."""
+    data_root = (root / "data").resolve()
+    problems = []
+    for key, value in kwargs.items():
+        if looks_like_a_path(value):
+            path = Path(value).expanduser()
+            path = (path if path.is_absolute() else root / path).resolve()
+            if not path.is_relative_to(data_root):
+                problems.append((key, f"{value!r} is outside the data directory {str(data_root)!r}"))
+    return problems
+
+
 def model_path_or_id(value: str, root: Path) -> str:
     """A local directory (relative to ``root``, kept inside it) or a hub identifier / registry URI."""
     if value.startswith("models:/"):
         return value
-    candidate = (root / value).resolve() if not Path(value).is_absolute() else Path(value)
-    looks_local = value.startswith((".", "/")) or candidate.exists()
+    candidate = (root / value).resolve() if not Path(value).is_absolute() else Path(value).resolve()
+    looks_local = value.startswith((".", "/", "~")) or candidate.exists()
     if looks_local:
-        if not Path(value).is_absolute() and not candidate.is_relative_to(root.resolve()):
-            raise ValueError(f"{value!r} leaves the project directory {str(root)!r}")
+        if not candidate.is_relative_to(root.resolve()):
+            raise ValueError(f"{value!r} leaves the project directory {str(root)!r} (model directories lie under "
+                             "--root)")
         if not (candidate / "config.json").is_file():
             raise ValueError(f"{value!r} is not a model directory (no config.json in {str(candidate)!r})")
         return str(candidate)
@@ -358,10 +387,16 @@ def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
         try:
             if source.path:
                 data_path(source.path, root)
+            elif source.name:
+                where = f"dataset.{split}.name"
+                dataset_name(source.name, root)
             elif source.entry_point:
+                where = f"dataset.{split}.entry_point"
+                problems += [(f"dataset.{split}.kwargs.{key}", problem)
+                             for key, problem in entry_point_paths(source.kwargs, root)]
                 resolve_callable(source.entry_point, root)
         except ValueError as error:
-            problems.append((where if source.path else f"dataset.{split}.entry_point", str(error)))
+            problems.append((where, str(error)))
     for field in ("reward", "reward_processor", "formatters", "transition"):
         value = getattr(spec, field)
         for index, path in enumerate(value if isinstance(value, list) else [value]):

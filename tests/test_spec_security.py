@@ -201,3 +201,40 @@ def test_model_options_need_known_keys_and_dtypes(project):
     assert problems["model_options.dtype"] == "'float33' is not one of ['float32', 'float16', 'bfloat16']"
     assert "takes no model option 'torch_dtype'" in problems["model_options.torch_dtype"]
     assert parse_spec({**SPEC, "model_options": {"dtype": "bfloat16"}}, "s.yaml", project).model_options["dtype"] == "bfloat16"
+
+
+# ----- every path a spec names stays under the documented roots (issue 26, case 6) ---------------------
+def test_paths_outside_the_roots_are_refused_at_validation(project, tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "model").mkdir(parents=True)
+    (outside / "model" / "config.json").write_text("{}")
+    (outside / "rows").mkdir()
+    cases = {
+        "models.agent_model": dict(SPEC, models={"agent_model": str(outside / "model")}),
+        "dataset.train.name": dict(SPEC, dataset={"train": {"name": str(outside / "rows")}}),
+        "dataset.train.kwargs.directory": dict(SPEC, dataset={"train": {
+            "entry_point": "comlrl.tasks.letters:write_dataset", "kwargs": {"directory": str(outside / "written")}}}),
+    }
+    for field, data in cases.items():
+        problems = problems_of(data, project)
+        assert field in problems, (field, problems)
+        assert "outside" in problems[field] or "leaves the project directory" in problems[field] or "is a path" in problems[field]
+    assert not (outside / "written").exists()
+    # inside the roots the same kinds of value are fine
+    (project / "models" / "m").mkdir(parents=True)
+    (project / "models" / "m" / "config.json").write_text("{}")
+    assert parse_spec(dict(SPEC, models={"agent_model": str(project / "models" / "m")}), "s.yaml", project)
+    assert parse_spec(dict(SPEC, dataset={"train": {"name": "org/hub-dataset"}}), "s.yaml", project)
+    with pytest.raises(ValueError, match="is a path"):
+        load_dataset_source(DatasetSource(name=str(outside / "rows")), project)  # the build checks again
+
+
+def test_a_root_module_that_links_elsewhere_is_refused_before_it_is_imported(project, tmp_path):
+    marker = tmp_path / "imported.txt"
+    (tmp_path / "evil.py").write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+                                      "def reward(*c):\n    return [0.0] * len(c[0])\n")
+    (project / "linked_reward.py").symlink_to(tmp_path / "evil.py")
+    problems = problems_of(dict(SPEC, reward="linked_reward:reward"), project)
+    assert "symbolic link" in problems["reward"] and "was not imported" in problems["reward"]
+    assert not marker.exists()
+    sys.modules.pop("linked_reward", None)
