@@ -86,6 +86,7 @@ def boundary_row(report: Any) -> dict[str, Any]:
     reward = next((metrics[key] for key in REWARD_METRICS if metrics.get(key) is not None), None)
     losses = [value for key, value in metrics.items() if (key == "loss" or key.endswith("/loss")) and value is not None]
     kls = [value for key, value in metrics.items() if key.endswith("kl_mean") and value is not None]
+    norms = [value for key, value in metrics.items() if key.endswith("/grad_norm") and value is not None]
     _, eval_reward = primary_eval(evaluation)
     return {
         "boundary": label(report.boundary),
@@ -94,6 +95,7 @@ def boundary_row(report: Any) -> dict[str, Any]:
         "eval_reward": _round(eval_reward),
         "loss": _round(_mean(losses)),
         "kl": _round(_mean(kls)),
+        "grad_norm": _round(_mean(norms)),
         "checkpoint": report.checkpoint,
         "seconds": round(report.seconds, 2),
     }
@@ -104,10 +106,13 @@ def _round(value: float | None) -> float | None:
 
 
 def describe(row: dict[str, Any]) -> str:
-    """A boundary's one-line summary (the subflow's state message, the console's line)."""
+    """A boundary's one-line summary (the subflow's state message, the console's line). A policy-gradient
+    loss is ~0 by construction (normalised advantages at ratio 1), so the gradient norm says more about
+    whether the update moves the weights; the loss is shown to 3 significant digits."""
     parts = [row["boundary"]]
-    for key, name in (("reward", "reward"), ("eval_reward", "eval"), ("loss", "loss"), ("kl", "kl")):
+    for key, name, form in (("reward", "reward", ".3f"), ("eval_reward", "eval", ".3f"), ("loss", "loss", ".3g"),
+                            ("grad_norm", "grad", ".3g"), ("kl", "kl", ".3f")):
         if row.get(key) is not None:
-            parts.append(f"{name} {row[key]:.3f}")
+            parts.append(f"{name} {row[key]:{form}}")
     parts.append(f"{row['seconds']:.1f} s")
     return " · ".join(parts)

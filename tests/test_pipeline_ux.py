@@ -324,3 +324,16 @@ def test_library_use_is_not_silenced(runs):
     progress records, standard error not filtered."""
     assert not logging.getLogger("flows.progress").handlers
     assert type(sys.stderr).__name__ != "FilteredStream"
+
+
+def test_a_boundary_line_shows_the_gradient_norm_beside_a_near_zero_loss():
+    from comlrl.progress import Boundary
+    from comlrl.training.run import BoundaryReport
+    from flows.boundaries import boundary_row, describe
+
+    metrics = {"reward_mean": 0.25, "agent_0/loss": 3e-9, "agent_1/loss": -1e-9, "agent_0/grad_norm": 0.41,
+               "agent_1/grad_norm": 0.2}
+    report = BoundaryReport(Boundary(2, 3), "/runs/x/checkpoint-2", metrics, [(8, {"eval/reward_mean": 0.5})], 4, 8, 1.25)
+    row = boundary_row(report)
+    assert row["grad_norm"] == pytest.approx(0.305) and row["loss"] == 0.0
+    assert describe(row) == "epoch 2 · reward 0.250 · eval 0.500 · loss 0 · grad 0.305 · 1.2 s"
