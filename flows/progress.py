@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import time
 from typing import Any
 
 from comlrl.callbacks import TrainerCallback
@@ -78,13 +79,42 @@ class ProgressArtifact:
         self._send()
 
 
-class StepProgress(TrainerCallback):
-    """Counts training steps towards ``total`` for the progress artifact and the console."""
+def duration(seconds: float) -> str:
+    """``42 s``, ``7 min``, ``2 h 05 min``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
 
-    def __init__(self, total: int, artifact: ProgressArtifact | None = None) -> None:
+
+class StepProgress(TrainerCallback):
+    """Counts training steps towards ``total`` for the progress artifact and the console; every
+    ``every`` seconds (and at the first step) it also says where training is through ``say`` (the
+    flow's run logger: the console of ``comlrl run`` and the Prefect UI), so a long run is never
+    silent: ``step 37/512 (7 %) · reward 0.312 · 4.1 s/step · about 32 min left``."""
+
+    def __init__(self, total: int, artifact: ProgressArtifact | None = None, say: Any = None, every: float = 30.0,
+                 clock: Any = time.monotonic) -> None:
         self.total = max(total, 1)
         self.artifact = artifact
         self.reward: float | None = None
+        self.say, self.every, self.clock = say, every, clock
+        self._said: tuple[float, int] | None = None  # (time, step) of the last line said
+
+    def heartbeat(self, done: int) -> str | None:
+        """The progress line due at step ``done`` (None when the last one is less than ``every`` s old)."""
+        now = self.clock()
+        if self._said is not None and now - self._said[0] < self.every:
+            return None
+        parts = [f"step {done}/{self.total} ({100 * done // self.total} %)"]
+        if self.reward is not None:
+            parts.append(f"reward {self.reward:.3f}")
+        if self._said is not None and done > self._said[1]:
+            per_step = (now - self._said[0]) / (done - self._said[1])
+            parts += [f"{per_step:.2g} s/step", f"about {duration(per_step * (self.total - done))} left"]
+        self._said = (now, done)
+        return " · ".join(parts)
 
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
         if any(key.startswith(("eval/", "pbrl/")) for key in metrics):
@@ -94,3 +124,5 @@ class StepProgress(TrainerCallback):
         if self.artifact is not None:
             self.artifact.update(100.0 * done / self.total)
         emit("step", f"step {done}/{self.total}", done=done, total=self.total, reward=self.reward)
+        if self.say is not None and (line := self.heartbeat(done)) is not None:
+            self.say(line)

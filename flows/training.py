@@ -92,7 +92,7 @@ def start(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, records: l
     # Metrics reach MLflow every SEND_INTERVAL s (and all at the run's end): fewer store writes beside training.
     callback = tracking.MLflowCallback(identity, spool_dir=run.directory / "tracking", send_interval=SEND_INTERVAL)
     callback.set_tags({**run_tags(spec, run), **prefect_tags()})
-    progress = StepProgress(1, progress_artifact)
+    progress = StepProgress(1, progress_artifact, say=say_progress)
     trainer = tasks.load_entities(spec, root, str(run.workdir), [callback, progress], tracking_uri)
     progress.total = max(trainer.planned_training_steps(), 1)
     if spec.execution.task_runner == "dask":  # each agent's generation and backward pass: a task on Dask
@@ -106,6 +106,17 @@ def start(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, records: l
     del records[done:]  # rows of boundaries beyond the restored checkpoint are redone
     return Session(trainer, training, identity, callback, progress, spec, run, records, publisher,
                    last_task_run=began.state_details.task_run_id)
+
+
+def say_progress(line: str) -> None:
+    """A progress line in the current (boundary) flow run's log — the console of ``comlrl run`` and the
+    Prefect UI; task-run loggers are quiet on the console (flows/runs.py) — and nothing outside a run."""
+    from prefect.context import FlowRunContext
+    from prefect.logging.loggers import flow_run_logger
+
+    context = FlowRunContext.get()
+    if context is not None and context.flow_run is not None:
+        flow_run_logger(context.flow_run, context.flow).info(line)
 
 
 def latest_checkpoint(run: RunPaths) -> str | None:

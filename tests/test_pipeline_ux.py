@@ -337,3 +337,22 @@ def test_a_boundary_line_shows_the_gradient_norm_beside_a_near_zero_loss():
     row = boundary_row(report)
     assert row["grad_norm"] == pytest.approx(0.305) and row["loss"] == 0.0
     assert describe(row) == "epoch 2 · reward 0.250 · eval 0.500 · loss 0 · grad 0.305 · 1.2 s"
+
+
+def test_a_long_run_says_where_it_is_every_interval():
+    from flows.progress import StepProgress
+
+    class Trainer:
+        class state:
+            global_step = 0
+
+    now, said = [0.0], []
+    progress = StepProgress(100, say=said.append, every=30.0, clock=lambda: now[0])
+    for step in range(1, 101):
+        now[0] += 2.0  # 2 s per step
+        Trainer.state.global_step = step
+        progress.on_log(Trainer, {"reward_mean": step / 100}, step)
+    assert said[0] == "step 1/100 (1 %) · reward 0.010"
+    assert said[1] == "step 16/100 (16 %) · reward 0.160 · 2 s/step · about 3 min left"  # 84 steps x 2 s = 168 s
+    assert len(said) == 1 + 99 // 15  # one line per 30 s of 2-s steps after the first
+    assert said[-1].startswith("step 91/100 (91 %)") and said[-1].endswith("about 18 s left")
