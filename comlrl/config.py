@@ -24,6 +24,7 @@ def option(
     kind: type | tuple[type, ...] | None = None,
     aliases: Sequence[str] = (),
     supported: Sequence[Any] | None = None,
+    says: str | None = None,
 ) -> Any:
     """A dataclass field with help text and validation rules.
 
@@ -32,6 +33,8 @@ def option(
     ``aliases`` are other keyword names the constructor accepts for this field (the names the
     original comlrl 1.4.3 used); ``supported`` lists the only values implemented so far: any
     other valid value is refused at construction as "not supported yet" (never ignored).
+    ``says`` is the original's message for a value outside its rules, where the generic one
+    (``<field> must be ...``, named by the first alias) would not contain it; the error starts with it.
     """
     if kind is None and default is not None and not isinstance(default, (list, dict)):
         kind = (int, float) if isinstance(default, float) else type(default)
@@ -45,6 +48,7 @@ def option(
         "kind": kind,
         "aliases": tuple(aliases),
         "supported": tuple(supported) if supported is not None else None,
+        "says": says,
     }
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
@@ -69,6 +73,38 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+def _number(value: float) -> str:
+    """0.0 -> '0', 0.5 -> '0.5': bounds read as the original comlrl wrote them ('must be > 0')."""
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def _broken_rule(meta: dict, value: Any) -> str | None:
+    """The rule ``value`` breaks, as '<must be ...>' (None when it keeps them all)."""
+    kind = meta["kind"]
+    if kind is not None:
+        if isinstance(value, bool) and kind in (int, float, (int, float)):
+            return "must be a number"
+        if not isinstance(value, kind):
+            names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+            return f"must be of type {names}"
+    if meta["choices"] is not None and value not in meta["choices"]:
+        return "must be one of: " + ", ".join(repr(choice) for choice in meta["choices"])
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            return "must be finite"
+        low, high = meta["min"], meta["max"]
+        # The original's wording for a field that also takes None: "must be >= 1 or null".
+        or_none = " or null (None)" if meta["optional"] else ""
+        if low is not None:
+            if meta["min_exclusive"] and value <= low:
+                return f"must be > {_number(low)}{or_none}"
+            if not meta["min_exclusive"] and value < low:
+                return f"must be >= {_number(low)}{or_none}"
+        if high is not None and value > high:
+            return f"must be <= {_number(high)}{or_none}"
+    return None
+
+
 def _check_field(owner: str, field: dataclasses.Field, value: Any) -> str | None:
     meta = field.metadata
     if not meta:
@@ -76,26 +112,15 @@ def _check_field(owner: str, field: dataclasses.Field, value: Any) -> str | None
     where = f"{owner}.{field.name}"
     if value is None:
         return None if meta["optional"] else f"{where} must be set, got None"
-    kind = meta["kind"]
-    if kind is not None:
-        if isinstance(value, bool) and kind in (int, float, (int, float)):
-            return f"{where} must be a number, got {value!r}"
-        if not isinstance(value, kind):
-            names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
-            return f"{where} must be of type {names}, got {value!r} ({type(value).__name__})"
-    if meta["choices"] is not None and value not in meta["choices"]:
-        return f"{where} must be one of {list(meta['choices'])}, got {value!r}"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"{where} must be finite, got {value!r}"
-        low, high = meta["min"], meta["max"]
-        if low is not None:
-            if meta["min_exclusive"] and value <= low:
-                return f"{where} must be > {low}, got {value!r}"
-            if not meta["min_exclusive"] and value < low:
-                return f"{where} must be >= {low}, got {value!r}"
-        if high is not None and value > high:
-            return f"{where} must be <= {high}, got {value!r}"
+    rule = _broken_rule(meta, value)
+    if rule is not None:
+        # Lead with the original comlrl's words, so code that matches its messages still matches.
+        if meta.get("says"):
+            return f"{meta['says']} ({where} {rule}, got {value!r})"
+        if meta["aliases"]:
+            alias = meta["aliases"][0]
+            return f"{alias} {rule}, got {value!r} ({where}, which comlrl 1.4.3 named {alias})"
+        return f"{where} {rule}, got {value!r}"
     supported = meta.get("supported")
     if supported is not None and not any(_same_value(value, ok) for ok in supported):
         allowed = ", ".join(repr(ok) for ok in supported)
@@ -126,10 +151,12 @@ class _ConfigMeta(type):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if kwargs and dataclasses.is_dataclass(cls):
             kwargs = _resolve_aliases(cls, kwargs)
-        config = super().__call__(*args, **kwargs)
-        # Which fields the caller chose (keywords or positionally), so a default can be told from a choice.
+        # Which fields the caller chose (keywords or positionally), so a default can be told from a choice;
+        # known before __init__ so validate() can ask was_given.
         given = set(kwargs) | {f.name for f in dataclasses.fields(cls)[:len(args)]} if dataclasses.is_dataclass(cls) else set()
+        config = cls.__new__(cls)
         object.__setattr__(config, "_given_fields", frozenset(given))
+        config.__init__(*args, **kwargs)
         return config
 
 

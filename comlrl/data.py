@@ -32,12 +32,17 @@ def resolve_formatters(formatters: Formatter | Sequence[Formatter] | None, num_a
         return [default_formatter] * num_agents
     if callable(formatters):
         return [formatters] * num_agents
+    if isinstance(formatters, (str, bytes)) or not isinstance(formatters, Sequence):
+        raise ValueError("formatters must be None, a callable, or a sequence of callables. "
+                         f"Got {type(formatters).__name__}: {formatters!r:.100}")
     formatters = list(formatters)
     if len(formatters) != num_agents:
-        raise ValueError(f"formatters has {len(formatters)} entries but there are {num_agents} agents")
+        raise ValueError("Number of formatters must match num_agents when providing a sequence: "
+                         f"formatters has {len(formatters)} entries but there are {num_agents} agents")
     for index, formatter in enumerate(formatters):
         if not callable(formatter):
-            raise ValueError(f"formatters[{index}] must be callable, got {type(formatter).__name__}")
+            raise ValueError("formatters must be None, a callable, or a sequence of callables: "
+                             f"formatters[{index}] is a {type(formatter).__name__}")
     return formatters
 
 

@@ -422,7 +422,8 @@ def config_problems(config_class: type, values: dict[str, Any]) -> list[tuple[st
         config_class(**values)
     except (ValueError, TypeError) as error:
         for message in str(error).split("; "):
-            match = re.match(rf"{config_class.__name__}\.(\w+)", message)
+            # The field is named wherever the message names it (messages may lead with comlrl 1.4.3's words).
+            match = re.search(rf"{config_class.__name__}\.(\w+)", message)
             problems.append((f"config.{match.group(1)}" if match else "config", message))
     return problems
 

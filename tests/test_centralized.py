@@ -163,7 +163,7 @@ def test_config_counts_roles_and_refuses_what_it_cannot_do():
         CentralizedMAGRPOConfig(num_turns=2)
     with pytest.raises(ValueError, match="role_names/section_separator: .*3 names"):
         CentralizedMAGRPOConfig(num_agents=2, role_names=["a", "b", "c"])
-    with pytest.raises(ValueError, match="lists 2 devices .* there are 1 models"):
+    with pytest.raises(ValueError, match=r"agent_devices length \(2\) must be 1 or 1: CentralizedMAGRPOConfig\.device"):
         CentralizedMAGRPOConfig(device=["cpu", "cpu"])
 
 

@@ -41,7 +41,7 @@ def test_eval_interval_zero_means_no_periodic_evaluation(tiny_llama):
     trainer.evaluate = lambda *a, **k: calls.append(1) or {}
     assert len(trainer.train()) == 2
     assert calls == []
-    with pytest.raises(ValueError, match="eval_interval must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"eval_interval must be >= 0 or null \(None\), got -1"):
         MAGRPOConfig(eval_interval=-1)
 
 

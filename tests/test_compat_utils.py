@@ -410,7 +410,7 @@ def test_reference_kl_settings_helpers():
     args = SimpleNamespace(reference_kl_enabled=True, reference_kl_coef=0.3, reference_devices=["cpu", "cpu"])
     assert utils.reference_kl_enabled(args) and utils.reference_kl_coef(args) == 0.3
     utils.validate_reference_kl_config(args, 2)
-    with pytest.raises(ValueError, match="reference_devices lists 2 devices"):
+    with pytest.raises(ValueError, match=r"reference_devices length \(2\) must be 1 or 3"):
         utils.validate_reference_kl_config(args, 3)
     with pytest.raises(ValueError, match="reference_kl_coef must be >= 0"):
         utils.validate_reference_kl_config(SimpleNamespace(reference_kl_coef=-1.0), 2)

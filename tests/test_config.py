@@ -13,12 +13,12 @@ def test_defaults_are_valid_and_have_help():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("temperature", 0.0, "MAGRPOConfig.temperature must be > 0.0, got 0.0"),
-        ("top_p", 1.5, "MAGRPOConfig.top_p must be <= 1.0, got 1.5"),
-        ("top_k", 0, "MAGRPOConfig.top_k must be >= 1, got 0"),
+        ("temperature", 0.0, "MAGRPOConfig.temperature must be > 0, got 0.0"),
+        ("top_p", 1.5, "MAGRPOConfig.top_p must be <= 1, got 1.5"),
+        ("top_k", 0, "MAGRPOConfig.top_k must be >= 1 or null (None), got 0"),
         ("num_agents", 0, "MAGRPOConfig.num_agents must be >= 1, got 0"),
-        ("joint_mode", "zip", "MAGRPOConfig.joint_mode must be one of ['aligned', 'cross'], got 'zip'"),
-        ("discount", 1.2, "MAGRPOConfig.discount must be <= 1.0, got 1.2"),
+        ("joint_mode", "zip", "MAGRPOConfig.joint_mode must be one of: 'aligned', 'cross', got 'zip'"),
+        ("discount", 1.2, "MAGRPOConfig.discount must be <= 1, got 1.2"),
         ("max_new_tokens", "32", "MAGRPOConfig.max_new_tokens must be of type int, got '32'"),
         ("agent_learning_rate", float("nan"), "MAGRPOConfig.agent_learning_rate must be finite"),
         ("num_generations", 1, "MAGRPOConfig.num_generations must be >= 2 for the 'mean' group baseline, got 1"),

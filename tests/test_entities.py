@@ -22,7 +22,7 @@ def test_homogeneous_agents_are_independent_copies(tiny_llama, reward_func, trai
 
 
 def test_neither_agent_model_nor_agents(reward_func, train_dataset):
-    with pytest.raises(ValueError, match="either agent_model or agents must be given"):
+    with pytest.raises(ValueError, match="Either agent_model or agents must be provided"):
         make(reward_func=reward_func, train_dataset=train_dataset)
 
 

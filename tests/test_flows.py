@@ -123,7 +123,7 @@ def test_invalid_spec_lists_every_problem_with_its_path(project, tmp_path):
     assert set(problems) == {"config.temperature", "dataset.train", "reward", "formatters"}, problems
     assert "outside the data directory" in problems["dataset.train"]
     assert "no attribute 'no_such_function'" in problems["reward"]
-    assert "must be > 0.0" in problems["config.temperature"]
+    assert "must be > 0" in problems["config.temperature"]
     assert "config.temperature" in str(caught.value) and "4 problem(s)" in str(caught.value)
 
 

@@ -90,9 +90,9 @@ def test_config_translates_the_originals_values_and_validates():
     assert MARLHFIterConfig(preference_replay_mode="all_history").preference_replay_mode == "all"
     for bad, message in [
         (dict(comparator_policy="history"), "keeps per-iteration policy snapshots on disk: set output_dir"),
-        (dict(comparator_policy="api"), "comparator_policy='api' needs comparator_api_url"),
-        (dict(comparator_policy="model"), "needs comparator_model_name or comparator_agents"),
-        (dict(preference_replay_mode="last_k"), "preference_replay_k is needed by, and only by"),
+        (dict(comparator_policy="api"), "comparator_api_url is required when comparator_policy='api'"),
+        (dict(comparator_policy="model"), "comparator_model_name or comparator_agents is required when comparator_policy='model'"),
+        (dict(preference_replay_mode="last_k"), "preference_replay_k is required when preference_replay_mode='nearest_k'"),
         (dict(lr_scheduler_type="linear"), "a decaying schedule has no length to plan over"),
         (dict(comparator_policy="api", comparator_api_url="http://127.0.0.1:1/v1", comparator_api_format="generic"),
          "comparator_api_format='generic' is not supported yet"),

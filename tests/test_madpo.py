@@ -110,9 +110,9 @@ def test_config_takes_the_originals_names_and_validates_before_loading():
         (dict(pair_selection="all"), "pair_selection='all' keeps every pair"),
         (dict(num_turns=2), "num_turns must be 1"),
         (dict(dpo_beta=0.0), "dpo_beta must be > 0"),
-        (dict(dpo_reference="sft"), r"dpo_reference must be one of \['initial', 'none'\]"),
+        (dict(dpo_reference="sft"), "dpo_reference must be one of: 'initial', 'none'"),
         (dict(collaboration_mode="centralized"), "collaboration_mode='centralized' is not supported yet"),
-        (dict(preference_num_candidates=1), "num_generations must be >= 2"),
+        (dict(preference_num_candidates=1), r"preference_num_candidates must be >= 2, got 1 \(MADPOConfig.num_generations"),
         (dict(reference_kl_enabled=True), "a second KL penalty is not supported"),
         (dict(dpo_reference="none", reference_model="x"), "need dpo_reference='initial'"),
     ]:

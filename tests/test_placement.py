@@ -44,7 +44,7 @@ def test_missing_cuda_device_fails_naming_the_entry_before_loading(tiny_llama, t
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: loads.append(a))
     with pytest.raises(ValueError, match=r"MAGRPOConfig\.device\[1\]='cuda:3' cannot be used: .*CUDA device"):
         build(tiny_llama, train_dataset, reward_func, device=["cpu", "cuda:3"])
-    with pytest.raises(ValueError, match=r"MAGRPOConfig\.device lists 3 devices"):
+    with pytest.raises(ValueError, match=r"agent_devices length \(3\) must be 1 or 2: MAGRPOConfig\.device lists"):
         MAGRPOConfig(num_agents=2, device=["cpu", "cpu", "cpu"])
     assert loads == []
 

@@ -190,7 +190,7 @@ def test_an_alias_bomb_and_an_oversized_file_are_refused_quickly(project, tmp_pa
 def test_the_number_of_agents_must_match_config_num_agents(project):
     tiny = {"tiny": {"architecture": "llama", "vocab_size": 96}}
     problems = problems_of({**SPEC, "models": {"agents": [tiny, tiny, tiny]}}, project)
-    assert problems["models.agents"].startswith("agents has 3 entries but the number of agents is 2"), problems
+    assert problems["models.agents"].startswith("agents length (3) must match num_agents (2): agents has 3 entries but the number of agents is 2"), problems
     assert "config.num_agents=2" in problems["models.agents"]
     problems = problems_of({**SPEC, "algorithm": "maac", "models": {"agent_model": tiny, "critics": [tiny, tiny]}}, project)
     assert "critics must have exactly one element; got 2" in problems["models.critics"], problems

@@ -62,9 +62,9 @@ def resolve_num_agents(num_agents: int | None, config_num_agents: int, config_na
         raise ValueError(f"num_agents must be a positive integer, got {num_agents!r}")
     if num_agents != config_num_agents:
         raise ValueError(
-            f"num_agents={num_agents} (constructor) disagrees with {config_name}.num_agents="
-            f"{config_num_agents}; set both to the same value (the config alone never overrides "
-            "the constructor argument)"
+            f"num_agents must match args.num_agents: num_agents={num_agents} (constructor) disagrees with "
+            f"{config_name}.num_agents={config_num_agents}; set both to the same value (the config alone never "
+            "overrides the constructor argument)"
         )
     return num_agents
 
@@ -75,24 +75,29 @@ def resolve_model_list(
     count: int,
     single_name: str = "agent_model",
     list_name: str = "agents",
+    count_label: str | None = None,
 ) -> list[Any]:
     """Merge a homogeneous shortcut (``single``) and an explicit list (``many``) into ``count`` sources.
 
     Both may be given only if every listed model has the shortcut's name and the list has
-    ``count`` entries; an error names the argument and the values seen otherwise.
+    ``count`` entries; an error names the argument and the values seen otherwise. Messages
+    start with the original comlrl's words; ``count_label`` is what its length error names
+    (default ``num_agents (<count>)``).
     """
+    count_label = count_label or f"num_agents ({count})"
     single = _normalize(single)
     if many is not None:
         if isinstance(many, (str, PreTrainedModel)) or not isinstance(many, (list, tuple)):
-            raise ValueError(f"{list_name} must be a list of models, got {type(many).__name__}: {many!r}")
+            raise ValueError(f"{list_name} must be a non-empty sequence: a list of models, got "
+                             f"{type(many).__name__}: {many!r}")
         many = [_normalize(source) for source in many]
         for index, source in enumerate(many):
             _check_source_type(f"{list_name}[{index}]", source)
         if len(many) != count:
             raise ValueError(
-                f"{list_name} has {len(many)} entries but the number of "
-                f"{'agents' if list_name == 'agents' else 'models expected'} is {count}; "
-                f"give exactly {count}"
+                f"{list_name} length ({len(many)}) must match {count_label}: {list_name} has {len(many)} "
+                f"entries but the number of {'agents' if list_name == 'agents' else 'models expected'} is "
+                f"{count}; give exactly {count}"
             )
         if single is not None:
             _check_source_type(single_name, single)
@@ -101,12 +106,13 @@ def resolve_model_list(
             mismatched = [i for i, name in enumerate(names) if name != expected]
             if mismatched:
                 raise ValueError(
+                    f"{single_name} and {list_name} conflict: {expected} != {names}; "
                     f"{single_name}={expected!r} does not match {list_name} names {names} "
                     f"(entries {mismatched} differ); give only one of them, or make the names match"
                 )
         return list(many)
     if single is None:
-        raise ValueError(f"either {single_name} or {list_name} must be given (both are None)")
+        raise ValueError(f"Either {single_name} or {list_name} must be provided (both are None)")
     _check_source_type(single_name, single)
     return [single] * count
 
@@ -226,6 +232,7 @@ def resolve_tokenizers(
     if tokenizer is None:
         if explicit_for_lists and agents_given:
             raise ValueError(
+                f"Tokenizer must be provided when using agents: "
                 f"{trainer_name} requires an explicit tokenizer when agents is supplied (even as "
                 f"strings); pass tokenizer=AutoTokenizer.from_pretrained(...) or a list of {count}"
             )
@@ -233,6 +240,7 @@ def resolve_tokenizers(
         for index, source in enumerate(sources):
             if not isinstance(source, str):
                 raise ValueError(
+                    "Tokenizer(s) must be provided when agents are model objects: "
                     f"agents[{index}] is a loaded model object ({_describe(source)}), so its tokenizer "
                     f"cannot be loaded automatically; pass tokenizer= (one shared tokenizer or a list of {count})"
                 )
@@ -240,7 +248,8 @@ def resolve_tokenizers(
         return tokenizers
     if isinstance(tokenizer, (list, tuple)):
         if len(tokenizer) != count:
-            raise ValueError(f"tokenizer is a list of {len(tokenizer)} but there are {count} agents; give {count}")
+            raise ValueError(f"tokenizers length must match agents: tokenizer is a list of {len(tokenizer)} but "
+                             f"there are {count} agents; give {count}")
         return list(tokenizer)
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise ValueError(f"tokenizer must be a transformers tokenizer or a list of them, got {type(tokenizer).__name__}")

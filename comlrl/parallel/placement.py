@@ -22,14 +22,23 @@ T = TypeVar("T")
 Placement = str | Sequence[str] | None
 
 
+# The original comlrl's names of the placement fields, which its length errors use.
+ORIGINAL_FIELD_NAMES = {"device": "agent_devices", "critic_device": "critic_devices"}
+
+
 def check_placement_format(placement: Any, count: int, where: str) -> str | None:
-    """A problem with the shape of a placement (None when fine); CUDA availability is checked at resolve time."""
+    """A problem with the shape of a placement (None when fine); CUDA availability is checked at resolve time.
+
+    A one-entry list places every model there (as one device string does)."""
     if placement is None or isinstance(placement, str):
         return None
     if not isinstance(placement, (list, tuple)) or not all(isinstance(entry, str) for entry in placement):
         return f"{where} must be 'auto', a device string or a list of device strings, got {placement!r}"
-    if len(placement) != count:
-        return f"{where} lists {len(placement)} devices {list(placement)} but there are {count} models; give {count}"
+    if len(placement) not in (1, count):
+        field = where.rsplit(".", 1)[-1]
+        kind = ORIGINAL_FIELD_NAMES.get(field, field)
+        return (f"{kind} length ({len(placement)}) must be 1 or {count}: {where} lists {list(placement)} for "
+                f"{count} models (give one device or {count})")
     return None
 
 
@@ -85,10 +94,11 @@ def resolve_placement(
         if len(gpus) == 1 or len(sources) == 1:
             return [gpus[0]] * len(sources)
         return spread_by_size([parameter_count(s, trust_remote_code) for s in sources], gpus)
-    entries = [placement] * len(sources) if isinstance(placement, str) else list(placement)
+    one = isinstance(placement, str) or len(placement) == 1
+    entries = [placement if isinstance(placement, str) else placement[0]] * len(sources) if one else list(placement)
     devices = []
     for index, entry in enumerate(entries):
-        label = where if isinstance(placement, str) else f"{where}[{index}]"
+        label = where if one else f"{where}[{index}]"
         if entry == "auto":
             raise ValueError(f"{label}='auto' is only allowed for the whole placement, not one entry of {list(entries)}")
         try:

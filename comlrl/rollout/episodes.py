@@ -180,8 +180,15 @@ def _next_prompts(
         response_history_per_agent=response_history,
     )
     name = getattr(transition, "__qualname__", repr(transition))
-    if isinstance(returned, str) or not isinstance(returned, (list, tuple)) or len(returned) != num_agents:
+    # Led by the original comlrl's words for the same two faults.
+    if isinstance(returned, str) or not isinstance(returned, (list, tuple)):
         raise ValueError(
+            "External transition must return a list or tuple of external prompts for each agent: "
+            f"external_transition {name} must return a list of {num_agents} prompts (one per agent), got {returned!r}"
+        )
+    if len(returned) != num_agents:
+        raise ValueError(
+            f"External transition returned {len(returned)} values but expected {num_agents}: "
             f"external_transition {name} must return a list of {num_agents} prompts (one per agent), got {returned!r}"
         )
     bad = [i for i, prompt in enumerate(returned) if not isinstance(prompt, str)]
@@ -211,7 +218,8 @@ def rollout_episodes(
     max_prompt_length, prompt_overflow = spec.max_prompt_length, spec.prompt_overflow
     transition, passthrough, joint_index = spec.transition, spec.passthrough, spec.joint_index
     if spec.num_turns > 1 and transition is None:
-        raise ValueError(f"num_turns={spec.num_turns} needs an external_transition to produce the next turn's prompts")
+        raise ValueError(f"external_transition is required for multi-turn: num_turns={spec.num_turns} needs an "
+                         "external_transition to produce the next turn's prompts")
     threshold = spec.early_termination_threshold if spec.num_turns > 1 else None
     if threshold is not None and reward is None:
         raise ValueError("early_termination_threshold needs the reward while rolling out: pass reward=")

@@ -110,7 +110,8 @@ class JointReward:
             raise ValueError("reward_func must be a callable or a non-empty list of callables")
         for index, func in enumerate(funcs):
             if not callable(func):
-                raise ValueError(f"reward_func[{index}] must be callable, got {type(func).__name__}")
+                where = f"reward_func[{index}]" if isinstance(reward_func, (list, tuple)) else "reward_func"
+                raise ValueError(f"reward_func must be a callable: {where} is a {type(func).__name__}")
         if weights is None:
             weights = [1.0] * len(funcs)
         if len(weights) != len(funcs):

@@ -70,6 +70,8 @@ class MultiAgentTrainer(EpochSteps):
     """Base of the trainers that own their agents. Subclasses set ``config_class`` and ``step_stages``."""
 
     config_class: type[RolloutConfig] = RolloutConfig
+    # The algorithm as the original comlrl's messages name it ("Multi-turn MAGRPO requires ...").
+    algorithm_name = "multi-agent"
     tokenizer_explicit_for_lists = False
     data_parallel = distributed.DataParallel()  # one process until __init__ looks at the launch
     # Why this trainer cannot shard its models under an FSDP launch (None: it can).
@@ -103,7 +105,8 @@ class MultiAgentTrainer(EpochSteps):
         # Everything cheap is validated before any model is loaded.
         sources = entities.resolve_model_list(agent_model, agents, self.num_agents)
         if reward_func is None:
-            raise ValueError(f"{type(self).__name__} needs reward_func (a callable or a list of callables)")
+            raise ValueError(f"reward_func must be a callable: {type(self).__name__} needs reward_func (a callable "
+                             "or a list of callables), got None")
         self.reward = JointReward(reward_func, self.args.reward_weights, reward_processor,
                                   on_invalid=self.args.invalid_reward, num_agents=self.num_agents,
                                   call_policy=reward_call_policy(self.args))
@@ -114,7 +117,8 @@ class MultiAgentTrainer(EpochSteps):
         if eval_dataset is not None:
             check_dataset(eval_dataset, "eval_dataset")
         if self.args.num_turns > 1 and external_transition is None:
-            raise ValueError(f"num_turns={self.args.num_turns} needs external_transition to produce the next turn's prompts")
+            raise ValueError(f"Multi-turn {self.algorithm_name} requires an external_transition: num_turns="
+                             f"{self.args.num_turns} needs external_transition to produce the next turn's prompts")
         if external_transition is not None and not callable(external_transition):
             raise ValueError("external_transition must be callable")
         if external_transition is not None and self.args.num_turns == 1 and not self.args.was_given("num_turns"):

@@ -48,7 +48,8 @@ class RolloutConfig(ConfigBase):
     logging_steps: int = option(1, "Send averaged metrics to callbacks every N steps.", min=1)
     eval_interval: int | None = option(None, "Evaluate on eval_dataset every N steps (None or 0 = only when asked).",
                                        min=0, kind=int, optional=True)
-    eval_num_samples: int = option(4, "Rows of eval_dataset used per evaluation.", min=1)
+    eval_num_samples: int = option(4, "Rows of eval_dataset used per evaluation.", min=1,
+                                   says="eval_num_samples must be >= 0 in comlrl 1.4.3, here >= 1")
     device: str | list = option(
         "auto", "Placement of the agents: 'auto' (spread over this process's GPUs by size; CPU without GPUs), "
         "one device for all ('cpu', 'cuda', 'cuda:N') or a list with one device per agent.", kind=(str, list),
@@ -90,7 +91,8 @@ class RolloutConfig(ConfigBase):
     # Fields of the original comlrl 1.4.3, accepted so its configs construct (docs/migrating.md).
     parallel_training: str = option(
         "none", "Original comlrl's agent parallelism, 'none' or 'mp' (agents on separate devices, run in threads). Here "
-        "placement comes from device (alias agent_devices); either value trains the same.", choices=("none", "mp"))
+        "placement comes from device (alias agent_devices); either value trains the same; 'mp' needs an explicit "
+        "agent_devices, as in the original.", choices=("none", "mp"), says="parallel_training only supports: none, mp")
     rollout_buffer_size: int | None = option(
         None, "Original comlrl's per-agent sample count before an update. Here an update uses "
         "per_device_train_batch_size x gradient_accumulation_steps prompts; a value is accepted only in single-turn "
@@ -133,9 +135,12 @@ class RolloutConfig(ConfigBase):
             bad = [w for w in self.reward_weights if isinstance(w, bool) or not isinstance(w, (int, float))]
             if bad:
                 problems.append(f"{name}.reward_weights must hold numbers, got {self.reward_weights!r}")
-        placement = check_placement_format(self.device, self.num_agents, f"{name}.device")
+        placement = check_placement_format(self.device, self._actor_count(), f"{name}.device")
         if placement:
             problems.append(placement)
+        if self.parallel_training == "mp" and not self.was_given("device"):
+            problems.append(f"parallel_training='mp' requires explicit agent_devices: {name}.device (alias "
+                            "agent_devices) was left at its default (give one device or one per agent)")
         if isinstance(self.reference_model, list) and len(self.reference_model) != self.num_agents:
             problems.append(f"{name}.reference_model lists {len(self.reference_model)} models for num_agents="
                             f"{self.num_agents}; give one per agent or a single source")
@@ -144,6 +149,10 @@ class RolloutConfig(ConfigBase):
             if placement:
                 problems.append(placement)
         return problems + self._original_batching_problems()
+
+    def _actor_count(self) -> int:
+        """Models that ``device`` places (one per agent; one for a model that writes every role)."""
+        return self.num_agents
 
     def _samples_per_update(self) -> int | None:
         """Samples per agent in one optimizer step, in the original comlrl's count (None: no equivalent)."""

@@ -187,6 +187,6 @@ class TrainingLoop:
         """Refuse to start (before any work) when something training needs is missing: here, the training data."""
         if getattr(self, "train_dataset", None) is None:
             raise ValueError(
-                f"{type(self).__name__} has no train_dataset: give train_dataset= to the constructor or set "
-                "trainer.train_dataset before train()"
+                f"Trainer: training requires a train_dataset: {type(self).__name__} has none; give train_dataset= "
+                "to the constructor or set trainer.train_dataset before train()"
             )

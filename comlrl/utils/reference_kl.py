@@ -49,7 +49,8 @@ def resolve_reference_devices(args: Any, fallback_devices: Sequence[torch.device
     problem = check_placement_format(devices, expected_count, "reference_devices")
     if problem:
         raise ValueError(problem)
-    listed = devices if isinstance(devices, (list, tuple)) else [devices] * expected_count
+    one = isinstance(devices, str) or len(devices) == 1
+    listed = [devices if isinstance(devices, str) else devices[0]] * expected_count if one else devices
     return [torch.device(device) for device in listed]
 
 

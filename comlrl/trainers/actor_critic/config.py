@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from comlrl.config import option
+from comlrl.parallel.placement import check_placement_format
 from comlrl.trainers.config import RolloutConfig
 
 
@@ -51,6 +52,13 @@ class ActorCriticConfig(RolloutConfig):
         "device for all, or a list with one device per critic.", kind=(str, list), optional=True,
         aliases=("critic_devices",))
 
+    algorithm_name = "actor-critic"  # as the original's messages name the trainer
+    _critic_devices_when = ""  # the condition the original's message adds to "requires explicit critic_devices"
+
+    def _critic_count(self) -> int:
+        """Separate critic models that ``critic_device`` places."""
+        return self.num_agents
+
     def __post_init__(self) -> None:
         if self.num_generations is None and isinstance(self.num_turns, int):
             self.num_generations = 1 if self.num_turns > 1 else 4
@@ -67,9 +75,17 @@ class ActorCriticConfig(RolloutConfig):
         name = type(self).__name__
         if self.num_turns > 1 and self.num_generations != 1:
             problems.append(
+                f"Multi-turn {self.algorithm_name} currently supports num_generations == 1: "
                 f"{name}.num_generations must be 1 when num_turns > 1 (got num_generations={self.num_generations}, "
                 f"num_turns={self.num_turns}): multi-turn actor-critic follows one chain per prompt"
             )
+        if self.critic_device is not None and self._critic_count():
+            placement = check_placement_format(self.critic_device, self._critic_count(), f"{name}.critic_device")
+            if placement:
+                problems.append(placement)
+        if self.parallel_training == "mp" and self._critic_count() and self.critic_device is None:
+            problems.append(f"parallel_training='mp' requires explicit critic_devices{self._critic_devices_when}: "
+                            f"{name}.critic_device (alias critic_devices) is None")
         if self.critic_type == "q" and self.num_generations < 2:
             problems.append(
                 f"{name}.critic_type='q' needs num_generations >= 2 (got num_generations={self.num_generations}, "
@@ -89,10 +105,21 @@ class MAACConfig(ActorCriticConfig):
     to the trainer, not here.
     """
 
+    algorithm_name = "MAAC"
+
+    def _critic_count(self) -> int:
+        return 1
+
 
 @dataclass
 class IACConfig(ActorCriticConfig):
     """Independent actor-critic: each agent has its own critic (separate, or sharing the actor's backbone)."""
+
+    algorithm_name = "IAC"
+    _critic_devices_when = " when use_separate_critic=True"
+
+    def _critic_count(self) -> int:
+        return self.num_agents if self.use_separate_critic else 0
 
     use_separate_critic: bool = option(
         True, "True: one separate critic model per agent; False: each actor's backbone also carries its value head."

@@ -33,15 +33,15 @@ def centralized_critic_source(critic_model: Any, critics: Sequence[Any] | None, 
     """The one critic of MAAC, from ``critic_model`` or a one-element ``critics`` list."""
     if critic_model is None and critics is None:
         raise ValueError(
-            f"{trainer_name} needs a centralised critic: pass critic_model='<model id or directory>' "
-            "or critics=[<one model>] (both are None)"
+            f"Either critic_model or critics must be provided for MAAC: {trainer_name} needs a centralised "
+            "critic; pass critic_model='<model id or directory>' or critics=[<one model>] (both are None)"
         )
     if isinstance(critics, (list, tuple)) and len(critics) != 1:
         raise ValueError(
-            f"{trainer_name} uses one centralised critic, so critics must have exactly one element; "
-            f"got {len(critics)}: {_shown(critics)}"
+            f"critics length ({len(critics)}) must match 1 critic: {trainer_name} uses one centralised critic, "
+            f"so critics must have exactly one element; got {len(critics)}: {_shown(critics)}"
         )
-    return entities.resolve_model_list(critic_model, critics, 1, "critic_model", "critics")[0]
+    return entities.resolve_model_list(critic_model, critics, 1, "critic_model", "critics", "1 critic")[0]
 
 
 def independent_critic_sources(
@@ -51,6 +51,7 @@ def independent_critic_sources(
     if not use_separate_critic:
         if critic_model is not None or critics is not None:
             raise ValueError(
+                "critics can only be provided when use_separate_critic=True: "
                 "IACConfig.use_separate_critic=False shares each actor's backbone with its value head, so "
                 f"critic_model and critics must stay None; got critic_model={_shown(critic_model)}, "
                 f"critics={_shown(critics) if critics is not None else None}. Set use_separate_critic=True "
@@ -59,6 +60,7 @@ def independent_critic_sources(
         return []
     if critic_model is None and critics is None:
         raise ValueError(
+            "Either critic_model or critics must be provided when use_separate_critic=True: "
             "IACConfig.use_separate_critic=True needs the critics: pass critic_model='<model id>' (one copy per "
             f"agent) or critics=[...] with {num_agents} entries (both are None)"
         )

@@ -19,6 +19,7 @@ from comlrl.trainers.actor_critic.critics import CriticInput, independent_critic
 
 class IACTrainer(ActorCriticTrainer):
     config_class = IACConfig
+    algorithm_name = "IAC"
     args: IACConfig
 
     def resolve_critic_sources(self, critic_model: Any, critics: Any, config: IACConfig, num_agents: int) -> list[Any]:

@@ -21,6 +21,7 @@ HEAD_KEY = "critic_value_head_hidden_dim"
 
 class MAACTrainer(ActorCriticTrainer):
     config_class = MAACConfig
+    algorithm_name = "MAAC"
     args: MAACConfig
 
     def allowed_model_config_keys(self) -> set[str]:

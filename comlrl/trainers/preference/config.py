@@ -21,7 +21,10 @@ class MARLHFConfig(MAGRPOConfig):
     further fields to the policy trainer's config (e.g. ``critic_learning_rate`` for MAAC).
     """
 
-    rl_algorithm: str = option("magrpo", "Policy-stage algorithm: 'magrpo', 'maac' or 'iac'.", choices=RL_ALGORITHMS)
+    rl_algorithm: str = option(
+        "magrpo", "Policy-stage algorithm: 'magrpo', 'maac' or 'iac'.", choices=RL_ALGORITHMS,
+        says="rl_algorithm must be one of: magrpo, mareinforce, maremax, marloo, maac, iac in comlrl 1.4.3, "
+             "here one of magrpo, maac, iac")
     policy_overrides: dict = option({}, "Extra fields for the policy trainer's config (MAACConfig/IACConfig/MAGRPOConfig).",
                                     kind=dict)
     critic_model_name: str | None = option(None, "Critic backbone for rl_algorithm 'maac'/'iac' (default: first actor).",
@@ -81,7 +84,8 @@ class MARLHFConfig(MAGRPOConfig):
                                                         min=1)
     # Critic fields of the policy stage (rl_algorithm 'maac'/'iac'): copied into MAACConfig/IACConfig by name;
     # defaults are those configs' defaults, so leaving them unset changes nothing.
-    critic_type: str = option("v", "Policy-stage critic target, 'v' or 'q' (see ActorCriticConfig).", choices=("v", "q"))
+    critic_type: str = option("v", "Policy-stage critic target, 'v' or 'q' (see ActorCriticConfig).", choices=("v", "q"),
+                              says="critic_type must be one of: v, q")
     critic_learning_rate: float | None = option(
         None, "Policy-stage critic learning rate (None = agent_learning_rate, as in the original comlrl).", min=0.0,
         min_exclusive=True, kind=(int, float), optional=True)
@@ -104,6 +108,9 @@ class MARLHFConfig(MAGRPOConfig):
             self.critic_learning_rate = self.agent_learning_rate
         super().__post_init__()
 
+    def _group_size_reason(self) -> str:
+        return f"for MAGRPO-family MARLHF backends (the policy stage's {self.advantage_mode!r} group baseline)"
+
     def _samples_per_update(self) -> int | None:
         per_update = super()._samples_per_update()
         if per_update is None or self.rl_algorithm == "magrpo":
@@ -114,7 +121,8 @@ class MARLHFConfig(MAGRPOConfig):
         problems = super().validate()
         name = type(self).__name__
         if self.pair_selection == "all" and self.max_pairs_per_prompt is not None:
-            problems.append(f"{name}.pair_selection='all' needs max_pairs_per_prompt=None, "
+            problems.append(f"preference_pairs_per_sample must be null when pair_selection='all': "
+                            f"{name}.pair_selection='all' needs max_pairs_per_prompt=None, "
                             f"got {self.max_pairs_per_prompt}")
         fields = {f.name: f for f in dataclasses.fields(self)}
         for key, value in self.policy_overrides.items():
@@ -136,7 +144,8 @@ class MARLHFIterConfig(MARLHFConfig, IterativeOptions):
     docs/algorithms.md, "Iterative preference training"."""
 
     preference_scoring_reward: str = not_supported_yet(
-        "task", "Which reward labels the pairs: only 'task' (the original's 'reward_model' is not supported).")
+        "task", "Which reward labels the pairs: only 'task' (the original's 'reward_model' is not supported).",
+        choices=("task", "reward_model"), says="preference_scoring_reward must be one of: task, reward_model")
     # comlrl 1.4.3's MARLHFIterConfig defaults (per iteration: 2 policy epochs).
     num_iterations: int = option(6, "Rounds of collect -> fit -> policy (counts the whole run).", min=1)
     num_train_epochs: int = option(2, "Policy-stage passes over train_dataset per iteration.", min=1)

@@ -43,7 +43,8 @@ class IterativeOptions:
         "candidates, compared among themselves), 'history' (the policy as it was comparator_history_k iterations "
         "earlier), 'model' (a local model: comparator_model_name or comparator_agents) or 'api' (an "
         "OpenAI-compatible HTTP endpoint, comparator_api_url). With a comparator, every pair has one candidate "
-        "from each side.", choices=COMPARATORS)
+        "from each side.", choices=COMPARATORS,
+        says="comparator_policy must be one of: current, current_copy, model, history, api")
     comparator_history_k: int | None = option(
         None, "comparator_policy='history': compare against the policy at the start of iteration i - k "
         "(the initial policy while i < k; None = 1).", min=1, kind=int, optional=True)
@@ -99,7 +100,8 @@ class IterativeOptions:
                                                     "body.", kind=dict, optional=True)
     comparator_generation_mode: str = not_supported_yet(
         "decentralized", "Original comlrl's comparator mode: only 'decentralized' (every agent's part sampled "
-        "separately).", choices=("decentralized", "centralized"))
+        "separately).", choices=("decentralized", "centralized"),
+        says="comparator_generation_mode must be one of: decentralized, centralized")
     comparator_centralized_agent_index: int = not_supported_yet(0, "Original comlrl's centralized comparator "
                                                                 "agent; not supported.", min=0)
     comparator_api_response_field: str = not_supported_yet(
@@ -107,12 +109,13 @@ class IterativeOptions:
     preference_replay_mode: str = option(
         "none", "Which iterations' pair shards an iteration trains on: 'none' (its own), 'all' (every iteration "
         "so far), 'last_k' (the last preference_replay_k, its own included) or 'lambda_decay' (every shard, "
-        "sampled with weight proportional to lambda^age).", choices=REPLAY_MODES)
+        "sampled with weight proportional to lambda^age).", choices=REPLAY_MODES,
+        says="preference_replay_mode must be one of: current, nearest_k, all_history, lambda_decay")
     preference_replay_k: int | None = option(None, "preference_replay_mode='last_k': how many iterations.", min=1,
                                              kind=int, optional=True)
     preference_replay_lambda: float | None = option(
         None, "preference_replay_mode='lambda_decay': the decay per iteration of age, in [0, 1].", min=0.0,
-        max=1.0, kind=(int, float), optional=True)
+        max=1.0, kind=(int, float), optional=True, says="preference_replay_lambda must be in [0, 1]")
     preference_replay_sample_size: int | None = option(
         None, "Draw this many pairs (seeded, without replacement while a shard lasts) from the replayed shards "
         "instead of using all of them (None = all; for 'lambda_decay', the current iteration's pair count).",
@@ -133,6 +136,8 @@ def normalise_values(config: Any) -> None:
         if isinstance(value, str):
             lowered = value.strip().lower()
             setattr(config, name, aliases.get(lowered, lowered))
+    if config.preference_replay_mode == "none" and config.preference_replay_k == 1:
+        config.preference_replay_k = None  # the original accepts k=1 with its 'current' mode: the same replay
 
 
 def iterative_problems(config: Any) -> list[str]:
@@ -142,18 +147,19 @@ def iterative_problems(config: Any) -> list[str]:
     comparator = config.comparator_policy
     model_given = config.comparator_model_name is not None or config.comparator_agents is not None
     if comparator == "model" and not model_given:
-        problems.append(f"{name}.comparator_policy='model' needs comparator_model_name or comparator_agents")
+        problems.append(f"comparator_model_name or comparator_agents is required when comparator_policy='model' "
+                        f"({name})")
     if comparator != "model" and model_given:
-        problems.append(f"{name}.comparator_model_name/comparator_agents apply only to comparator_policy='model', "
-                        f"got comparator_policy={comparator!r}")
+        problems.append(f"comparator_model_name and comparator_agents are only valid when comparator_policy='model': "
+                        f"{name}.comparator_policy={comparator!r}")
     if config.comparator_model_name is not None and config.comparator_agents is not None:
         problems.append(f"{name}: give comparator_model_name or comparator_agents, not both")
     if config.comparator_agents is not None and len(config.comparator_agents) != config.num_agents:
         problems.append(f"{name}.comparator_agents has {len(config.comparator_agents)} entries for "
                         f"num_agents={config.num_agents}")
     if comparator != "history" and config.comparator_history_k is not None:
-        problems.append(f"{name}.comparator_history_k applies only to comparator_policy='history', got "
-                        f"comparator_policy={comparator!r}")
+        problems.append(f"comparator_history_k is only valid when comparator_policy='history': "
+                        f"{name}.comparator_policy={comparator!r}")
     if comparator == "history" and config.policy_checkpoint_dir is None and config.output_dir is None:
         problems.append(f"{name}.comparator_policy='history' keeps per-iteration policy snapshots on disk: set "
                         "output_dir or policy_checkpoint_dir")
@@ -161,7 +167,7 @@ def iterative_problems(config: Any) -> list[str]:
         problems.append(f"{name}.comparator_api_format={config.comparator_api_format!r} is not supported yet: the "
                         "comparator endpoint must speak OpenAI's 'chat' or 'completions' format")
     if comparator == "api" and not config.comparator_api_url:
-        problems.append(f"{name}.comparator_policy='api' needs comparator_api_url")
+        problems.append(f"comparator_api_url is required when comparator_policy='api' ({name})")
     key_env = config.comparator_api_key_env
     if comparator == "api" and config.comparator_api_key is None and key_env and key_env not in os.environ:
         problems.append(f"{name}.comparator_api_key_env={key_env!r}: that environment variable is not set")
@@ -175,16 +181,24 @@ def iterative_problems(config: Any) -> list[str]:
         problems.append(f"{name}.comparator_devices has {len(config.comparator_devices)} entries for "
                         f"num_agents={config.num_agents}")
     mode = config.preference_replay_mode
-    if (mode == "last_k") != (config.preference_replay_k is not None):
-        problems.append(f"{name}.preference_replay_k is needed by, and only by, preference_replay_mode='last_k' "
-                        f"(mode {mode!r}, k {config.preference_replay_k!r})")
-    if (mode == "lambda_decay") != (config.preference_replay_lambda is not None):
-        problems.append(f"{name}.preference_replay_lambda is needed by, and only by, "
-                        f"preference_replay_mode='lambda_decay' (mode {mode!r}, lambda "
-                        f"{config.preference_replay_lambda!r})")
+    # Worded as the original (its mode names: 'current' is 'none' here, 'nearest_k' is 'last_k',
+    # 'all_history' is 'all'), then our field and values.
+    k, replay_lambda = config.preference_replay_k, config.preference_replay_lambda
+    seen = f"{name}.preference_replay_mode={mode!r}, preference_replay_k={k!r}, preference_replay_lambda={replay_lambda!r}"
+    if mode == "none" and k is not None:
+        problems.append(f"preference_replay_k must be null or 1 when preference_replay_mode='current' ({seen})")
+    elif mode == "last_k" and k is None:
+        problems.append(f"preference_replay_k is required when preference_replay_mode='nearest_k' ({seen})")
+    elif mode != "last_k" and k is not None:
+        problems.append(f"preference_replay_k is only valid when preference_replay_mode='nearest_k' ({seen})")
+    if mode == "lambda_decay" and replay_lambda is None:
+        problems.append(f"preference_replay_lambda is required when preference_replay_mode='lambda_decay' ({seen})")
+    elif mode != "lambda_decay" and replay_lambda is not None:
+        problems.append(f"preference_replay_lambda is only valid when preference_replay_mode='lambda_decay' ({seen})")
     if mode == "none" and config.preference_replay_sample_size is not None:
-        problems.append(f"{name}.preference_replay_sample_size applies to replay modes 'all', 'last_k' and "
-                        "'lambda_decay', not 'none'")
+        problems.append("preference_replay_sample_size is only valid when preference_replay_mode is 'nearest_k', "
+                        f"'all_history', or 'lambda_decay' ({name}: replay modes 'last_k', 'all' or 'lambda_decay' "
+                        "here, not 'none')")
     return problems
 
 

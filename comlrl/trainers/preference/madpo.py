@@ -50,6 +50,7 @@ def sequence_logprobs(model: Any, generation: Generation, autocast_dtype: torch.
 
 class MADPOTrainer(MultiAgentTrainer):
     config_class = MADPOConfig
+    algorithm_name = "MADPO"
     args: MADPOConfig
     fsdp_refusal = "the DPO reference copies are not sharded yet; launch with DDP instead"
 

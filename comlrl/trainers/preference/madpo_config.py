@@ -48,7 +48,7 @@ class MADPOConfig(RolloutConfig):
                                             "advantages, only the default is accepted.")
     collaboration_mode: str = not_supported_yet(
         "decentralized", "Original comlrl's collaboration mode; centralized MADPO is not supported.",
-        choices=("decentralized", "centralized"))
+        choices=("decentralized", "centralized"), says="collaboration_mode must be decentralized or centralized")
     use_environment_step: bool = not_supported_yet(True, "Original comlrl's step counting for logging; steps here "
                                                    "are optimizer steps.")
     environment_steps_per_pair: int = not_supported_yet(2, "Original comlrl's step counting for logging; only the "
@@ -58,15 +58,16 @@ class MADPOConfig(RolloutConfig):
         problems = super().validate()
         name = type(self).__name__
         if self.num_turns != 1:
-            problems.append(f"{name}.num_turns must be 1 (preference pairs compare single-turn joint responses), "
-                            f"got {self.num_turns}")
+            problems.append(f"MADPO currently supports num_turns=1 only: {name}.num_turns must be 1 (preference "
+                            f"pairs compare single-turn joint responses), got {self.num_turns}")
         if self.reference_kl_enabled:
             problems.append(f"{name}.reference_kl_enabled: DPO's own reference term is its KL control (dpo_beta, "
                             "dpo_reference, reference_model); a second KL penalty is not supported")
         if self.dpo_reference == "none" and (self.reference_model is not None or self.reference_devices is not None):
             problems.append(f"{name}.reference_model/reference_devices need dpo_reference='initial', got 'none'")
         if self.pair_selection == "all" and self.max_pairs_per_prompt is not None:
-            problems.append(f"{name}.pair_selection='all' keeps every pair: set max_pairs_per_prompt=None, got "
+            problems.append(f"preference_pairs_per_sample must be null when pair_selection='all': "
+                            f"{name}.pair_selection='all' keeps every pair: set max_pairs_per_prompt=None, got "
                             f"{self.max_pairs_per_prompt}")
         return problems
 

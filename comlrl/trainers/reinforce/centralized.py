@@ -57,10 +57,12 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
         self.num_roles = entities.resolve_num_agents(num_agents, args.num_agents, self.config_class.__name__)
         if agents is not None and (isinstance(agents, (str, bytes)) or len(agents) != 1):
             count = "a string" if isinstance(agents, (str, bytes)) else f"{len(agents)} entries"
-            raise ValueError(f"{name} trains one model for its {self.num_roles} roles: agents must be a list of one "
-                             f"model, got {count} (the roles are num_agents)")
+            raise ValueError(f"Centralized collaboration requires exactly one actor model: {name} trains one model "
+                             f"for its {self.num_roles} roles: agents must be a list of one model, got {count} (the "
+                             "roles are num_agents)")
         if isinstance(tokenizer, (list, tuple)) and len(tokenizer) != 1:
-            raise ValueError(f"{name} trains one model: give one tokenizer, got a list of {len(tokenizer)}")
+            raise ValueError(f"Centralized collaboration requires one actor tokenizer: {name} trains one model: give "
+                             f"one tokenizer, got a list of {len(tokenizer)}")
         if external_transition is not None:
             raise ValueError(f"{name} runs one-turn episodes, so external_transition is never called; leave it None")
         if collaboration is not None and centralized_adapter is not None and collaboration is not centralized_adapter:
@@ -70,7 +72,8 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
         self.collaboration: CollaborationAdapter = (
             as_adapter(adapter, self.num_roles) if adapter is not None else args.collaboration_adapter())
         if reward_func is None:
-            raise ValueError(f"{name} needs reward_func (a callable or a list of callables)")
+            raise ValueError(f"reward_func must be callable: {name} needs reward_func (a callable or a list of "
+                             "callables), got None")
         # The task reward sees the roles, as it would see decentralized agents.
         role_reward = JointReward(reward_func, args.reward_weights, reward_processor, on_invalid=args.invalid_reward,
                                   num_agents=self.num_roles, call_policy=reward_call_policy(args))

@@ -48,11 +48,13 @@ class CentralizedMAGRPOConfig(MAGRPOConfig):
         name = type(self).__name__
         problems = []
         if self.collaboration_mode != "centralized":
-            problems.append(f"{name}.collaboration_mode must be 'centralized', got {self.collaboration_mode!r}; for "
-                            "one model per agent use MAGRPOConfig with MAGRPOTrainer")
+            problems.append(f"CentralizedMAGRPOConfig requires centralized collaboration: {name}.collaboration_mode "
+                            f"must be 'centralized', got {self.collaboration_mode!r}; for one model per agent use "
+                            "MAGRPOConfig with MAGRPOTrainer")
         if self.num_turns != 1:
-            problems.append(f"{name}.num_turns={self.num_turns} is not supported: centralized MAGRPO runs one-turn "
-                            "episodes (as comlrl 1.4.3's); use MAGRPOConfig for multi-turn training")
+            problems.append(f"Centralized MAGRPO currently supports num_turns=1 only: {name}.num_turns="
+                            f"{self.num_turns} is not supported: centralized MAGRPO runs one-turn episodes (as comlrl "
+                            "1.4.3's); use MAGRPOConfig for multi-turn training")
         try:
             self.collaboration_adapter()
         except ValueError as error:

@@ -12,6 +12,7 @@ from comlrl.trainers.config import RolloutConfig
 
 NORMALIZE_HELP = ("Divide each group's advantages by the group's reward std (scaling only: advantages are never "
                   "re-centred, so every advantage_mode stays its own estimator).")
+ADVANTAGE_MODE_SAYS = "advantage_mode must be one of: mean, raw, max, rloo"  # comlrl 1.4.3's words
 ADVANTAGE_MODE_HELP = ("Baseline of each sample's advantage within its group: 'mean' (MAGRPO), 'raw' (none: "
                        "MAREINFORCE), 'max' (the group's best: MAReMax) or 'rloo' (the other samples' mean: MARLOO).")
 
@@ -23,7 +24,7 @@ class MAGRPOConfig(RolloutConfig):
     joint_mode: str = option("aligned", "How joint samples are formed: 'aligned' (index by index) or 'cross' (product).",
                              choices=("aligned", "cross"))
     normalize_advantages: bool = option(True, NORMALIZE_HELP, aliases=("advantage_normalization",))
-    advantage_mode: str = option("mean", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
+    advantage_mode: str = option("mean", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES, says=ADVANTAGE_MODE_SAYS)
     loss_type: str = option(
         "grpo", "How token losses are averaged: 'grpo' (per completion, then over completions), 'bnpo'/'dapo' (over "
         "all completion tokens) or 'dr_grpo' (token sum over completions x max_new_tokens).", choices=LOSS_TYPES)
@@ -38,6 +39,9 @@ class MAGRPOConfig(RolloutConfig):
     # Whether one model writes every role (CentralizedMAGRPOConfig), the only kind 'centralized' is for.
     writes_every_role = False
 
+    def _group_size_reason(self) -> str:
+        return f"for the {self.advantage_mode!r} group baseline"
+
     def validate(self) -> list[str]:
         problems = super().validate()
         if self.collaboration_mode == "centralized" and not self.writes_every_role:
@@ -45,10 +49,8 @@ class MAGRPOConfig(RolloutConfig):
                             "CentralizedMAGRPOConfig with CentralizedMAGRPOTrainer (run specs: algorithm: "
                             "magrpo_centralized)")
         if self.num_generations < 2 and self.advantage_mode != "raw":
-            problems.append(
-                f"{type(self).__name__}.num_generations must be >= 2 for the {self.advantage_mode!r} group baseline, "
-                f"got {self.num_generations}"
-            )
+            problems.append(f"{type(self).__name__}.num_generations must be >= 2 {self._group_size_reason()}, "
+                            f"got {self.num_generations}")
         joint = self.num_generations ** self.num_agents if self.joint_mode == "cross" else self.num_generations
         if joint ** self.num_turns > 4096:
             problems.append(
@@ -63,7 +65,7 @@ class MAGRPOConfig(RolloutConfig):
 class MAREINFORCEConfig(MAGRPOConfig):
     """Multi-agent REINFORCE: the advantage is the return itself (no baseline); MAGRPO otherwise."""
 
-    advantage_mode: str = option("raw", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
+    advantage_mode: str = option("raw", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES, says=ADVANTAGE_MODE_SAYS)
     normalize_advantages: bool = option(False, NORMALIZE_HELP, aliases=("advantage_normalization",))
 
 
@@ -71,7 +73,7 @@ class MAREINFORCEConfig(MAGRPOConfig):
 class MAReMaxConfig(MAGRPOConfig):
     """Multi-agent ReMax: the baseline is the group's best return (``A = R - max R``); MAGRPO otherwise."""
 
-    advantage_mode: str = option("max", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
+    advantage_mode: str = option("max", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES, says=ADVANTAGE_MODE_SAYS)
     normalize_advantages: bool = option(False, NORMALIZE_HELP, aliases=("advantage_normalization",))
 
 
@@ -79,5 +81,5 @@ class MAReMaxConfig(MAGRPOConfig):
 class MARLOOConfig(MAGRPOConfig):
     """Multi-agent RLOO: the baseline is the mean return of the group's other samples; MAGRPO otherwise."""
 
-    advantage_mode: str = option("rloo", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES)
+    advantage_mode: str = option("rloo", ADVANTAGE_MODE_HELP, choices=ADVANTAGE_MODES, says=ADVANTAGE_MODE_SAYS)
     normalize_advantages: bool = option(False, NORMALIZE_HELP, aliases=("advantage_normalization",))

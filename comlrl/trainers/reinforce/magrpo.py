@@ -27,6 +27,7 @@ from comlrl.trainers.reinforce.config import MAGRPOConfig, MAREINFORCEConfig, MA
 
 class MAGRPOTrainer(MultiAgentTrainer):
     config_class = MAGRPOConfig
+    algorithm_name = "MAGRPO"
     args: MAGRPOConfig
 
     # ----- stages (rollout and score: the base trainer's) ------------------------------------------------
