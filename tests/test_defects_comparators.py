@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from loopback_http import LoopbackServer
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -129,7 +129,7 @@ def test_history_comparator_stores_the_sampled_ids(eos_llama, tmp_path):
 
 
 # ----- the API comparator against a real local endpoint --------------------------------------------
-class EndpointServer:
+class EndpointServer(LoopbackServer):
     """An OpenAI-compatible chat endpoint on 127.0.0.1 serving a tiny model, seeded by the prompt; it reports
     ``finish_reason`` ("stop" when the completion ended in EOS, "length" when it ran out of max_tokens) unless
     ``report_finish`` is off."""
@@ -169,14 +169,7 @@ class EndpointServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture(scope="module")

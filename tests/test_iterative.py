@@ -8,12 +8,12 @@ import math
 import os
 import re
 import signal
-import threading
 import time
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+from loopback_http import LoopbackServer
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -203,7 +203,7 @@ def test_resume_mid_dpo_stage_equals_uninterrupted(tiny_llama, tmp_path):
 
 
 # ----- the API comparator against a real local endpoint ------------------------------------------
-class CompletionServer:
+class CompletionServer(LoopbackServer):
     """An OpenAI-compatible endpoint on 127.0.0.1 serving a tiny model; ``mode`` makes it fail on purpose.
 
     Its sampling is seeded by the prompt, so the same request always gets the same completions."""
@@ -256,14 +256,7 @@ class CompletionServer:
                            else {"index": i, "text": t} for i, t in enumerate(texts)]
                 self.reply(200, {"object": "chat.completion" if chat else "text_completion", "choices": choices})
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture(scope="module")
