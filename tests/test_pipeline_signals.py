@@ -32,17 +32,29 @@ pytestmark = pytest.mark.slow
 
 STEPS_PER_EPOCH = 12  # 24 rows, batch 2
 FLAKY_REWARD = '''
+import os
+import time
 from pathlib import Path
 
 from comlrl.tasks.letters import letters_reward
 
-MARKER = Path(__file__).with_name("fail-now")
+CALLS = 0  # one call per training step (this spec evaluates nowhere during training)
 
 
 def flaky_reward(completions_0, completions_1, batch_items=None):
-    """The letters reward, which raises while the marker file exists."""
-    if MARKER.exists():
+    """The letters reward, steered by the test through the environment: from call SIGNALS_FAIL_AT on it
+    raises; at call SIGNALS_HOLD_AT it writes SIGNALS_GATE/held and waits for SIGNALS_GATE/release, so
+    that a signal sent meanwhile arrives during a known step, whatever the machine's speed."""
+    global CALLS
+    CALLS += 1
+    if 0 < int(os.environ.get("SIGNALS_FAIL_AT", "0")) <= CALLS:
         raise RuntimeError("the reward service is down (injected)")
+    if CALLS == int(os.environ.get("SIGNALS_HOLD_AT", "0")):
+        gate = Path(os.environ["SIGNALS_GATE"])
+        (gate / "held").touch()
+        deadline = time.monotonic() + 120
+        while not (gate / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
     return letters_reward(completions_0, completions_1, batch_items)
 '''
 
@@ -70,10 +82,12 @@ def uninterrupted(project, tmp_path_factory) -> dict[str, dict]:
     return {f"agent_{i}": {k: v.clone() for k, v in agent.state_dict().items()} for i, agent in enumerate(trainer.agents)}
 
 
-def comlrl(*arguments: str, workdir: Path) -> subprocess.Popen:
+def comlrl(*arguments: str, workdir: Path, **steering: str) -> subprocess.Popen:
+    """``comlrl ARGUMENTS --workdir WORKDIR`` as a process group of its own; ``steering`` (SIGNALS_*) goes
+    to the flaky reward through the environment."""
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("PREFECT_", "MLFLOW_"))}  # the embedded default, as an operator runs it
-    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+           if not key.startswith(("PREFECT_", "MLFLOW_", "SIGNALS_"))}  # the embedded default, as an operator runs it
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **steering)
     workdir.mkdir(parents=True, exist_ok=True)
     logs = [open(workdir / f"{arguments[0]}.{stream}.log", "w+") for stream in ("out", "err")]  # no pipe to fill
     process = subprocess.Popen([str(Path(sys.executable).parent / "comlrl"), *arguments, "--workdir", str(workdir)],
@@ -94,6 +108,24 @@ def read(log) -> str:
     log.flush()
     log.seek(0)
     return log.read()
+
+
+def stop_during_step(process: subprocess.Popen, gate: Path, number: signal.Signals) -> float:
+    """Wait until the reward holds its step (SIGNALS_HOLD_AT), send ``number`` to the process group,
+    then let the step go on; returns when the signal was sent."""
+    wait_for(lambda: (gate / "held").exists(), process)
+    sent = time.monotonic()
+    os.killpg(process.pid, number)  # as a terminal or a supervisor delivers it: to the whole group
+    time.sleep(0.2)  # the handler has run: the request is recorded while the step is still in progress
+    (gate / "release").touch()
+    return sent
+
+
+def held(workdir: Path, at: int) -> dict[str, str]:
+    """Steering that holds reward call ``at`` (step ``at`` of this process) at a fresh gate under ``workdir``."""
+    gate = workdir / f"gate-{at}"
+    gate.mkdir(parents=True)
+    return {"SIGNALS_HOLD_AT": str(at), "SIGNALS_GATE": str(gate)}
 
 
 def finish(process: subprocess.Popen, timeout: float = 300.0) -> tuple[int, str, str]:
@@ -157,23 +189,24 @@ def assert_final_weights(workdir: Path, run_id: str, uninterrupted: dict) -> Non
         assert all(saved[key].equal(reference[key]) for key in saved), f"{name} differs from the uninterrupted run"
 
 
+HOLD_RUN = 18  # the run's step 18 (epoch 2 of 3) is in progress when the signal arrives
+HOLD_RESUME = 10  # the resumed process's 10th step: 18 + 10 = step 28, in epoch 3
+
+
 @pytest.mark.parametrize("number, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_checkpoints_the_last_step_and_resume_finishes_the_run(number, status, project, uninterrupted,
                                                                            tmp_path):
     workdir, run_id = tmp_path / "work", f"stopped-{number.name.lower()}"
-    process = comlrl("run", str(project / "spec.yaml"), "--root", str(project), "--run-id", run_id, workdir=workdir)
-    first = workdir / "runs" / run_id / "checkpoints" / "checkpoint-1"
-    wait_for(lambda: (first / "metadata.json").is_file(), process)
-    time.sleep(0.5)  # a few steps into epoch 2
-    sent = time.monotonic()
-    os.killpg(process.pid, number)  # as a terminal or a supervisor delivers it: to the whole group
+    steering = held(workdir, HOLD_RUN)
+    process = comlrl("run", str(project / "spec.yaml"), "--root", str(project), "--run-id", run_id,
+                     workdir=workdir, **steering)
+    sent = stop_during_step(process, Path(steering["SIGNALS_GATE"]), number)
     code, out, err = finish(process)
     assert time.monotonic() - sent < 60, "the stop took more than a minute"
     assert code == status, err[-3000:]
     assert "Traceback" not in err and "Traceback" not in out, err[-3000:]
-    [interrupted] = [name for name in checkpoints(workdir, run_id) if "-step" in name]
-    step = int(interrupted.split("-step")[1])
-    assert interrupted.startswith("checkpoint-1-step") and STEPS_PER_EPOCH < step < 3 * STEPS_PER_EPOCH
+    interrupted = f"checkpoint-1-step{HOLD_RUN}"  # the step in progress finished; nothing after it ran
+    assert [name for name in checkpoints(workdir, run_id) if "-step" in name] == [interrupted]
     closing = [line for line in err.splitlines() if line.startswith("comlrl: ")]
     assert len(closing) == 1 and f"{number.name} received" in closing[0] and interrupted in closing[0], err[-3000:]
     assert f"comlrl resume {run_id}" in closing[0]
@@ -184,38 +217,31 @@ def test_a_stop_signal_checkpoints_the_last_step_and_resume_finishes_the_run(num
     [message] = [message for name, state, message in runs if name == run_id]
     assert interrupted in message
 
-    resumed = comlrl("resume", run_id, workdir=workdir)
     if number == signal.SIGINT:  # a stop reaches `comlrl resume` too: SIGTERM while it trains epoch 3
-        second = workdir / "runs" / run_id / "checkpoints" / "checkpoint-2"
-        wait_for(lambda: (second / "metadata.json").is_file(), resumed)
-        time.sleep(0.5)
-        os.killpg(resumed.pid, signal.SIGTERM)
+        steering = held(workdir, HOLD_RESUME)
+        resumed = comlrl("resume", run_id, workdir=workdir, **steering)
+        stop_during_step(resumed, Path(steering["SIGNALS_GATE"]), signal.SIGTERM)
         code, out, err = finish(resumed)
         assert code == 143 and "Traceback" not in err, err[-3000:]
-        [again] = [name for name in checkpoints(workdir, run_id) if name.startswith("checkpoint-2-step")]
+        again = f"checkpoint-2-step{HOLD_RUN + HOLD_RESUME}"
+        assert again in checkpoints(workdir, run_id), checkpoints(workdir, run_id)
         assert again in err and all_gone(workdir) and mlflow_status(workdir, run_id) == "KILLED"
-        resumed = comlrl("resume", run_id, workdir=workdir)
-    code, out, err = finish(resumed)
+    code, out, err = finish(comlrl("resume", run_id, workdir=workdir))
     assert code == 0, err[-3000:]
     assert mlflow_status(workdir, run_id) == "FINISHED"
     assert_final_weights(workdir, run_id, uninterrupted)
 
 
+FAIL_AT = 18  # the reward raises in step 18 (epoch 2), before that step's update
+
+
 def test_an_exception_in_a_step_keeps_the_last_completed_step_and_resume_finishes(project, uninterrupted, tmp_path):
     workdir, run_id = tmp_path / "work", "failed-reward"
-    marker = project / "fail-now"
-    process = comlrl("run", str(project / "spec.yaml"), "--root", str(project), "--run-id", run_id, workdir=workdir)
-    first = workdir / "runs" / run_id / "checkpoints" / "checkpoint-1"
-    try:
-        wait_for(lambda: (first / "metadata.json").is_file(), process)
-        time.sleep(0.5)
-        marker.touch()  # the reward raises from the next step on (before that step's update)
-        code, out, err = finish(process)
-    finally:
-        marker.unlink(missing_ok=True)
+    process = comlrl("run", str(project / "spec.yaml"), "--root", str(project), "--run-id", run_id,
+                     workdir=workdir, SIGNALS_FAIL_AT=str(FAIL_AT))
+    code, out, err = finish(process)
     assert code == 1, err[-3000:]
-    [kept] = [name for name in checkpoints(workdir, run_id) if "-step" in name]
-    assert kept.startswith("checkpoint-1-step") and int(kept.split("-step")[1]) > STEPS_PER_EPOCH
+    assert [name for name in checkpoints(workdir, run_id) if "-step" in name] == [f"checkpoint-1-step{FAIL_AT - 1}"]
     closing = [line for line in err.splitlines() if line.startswith("comlrl: ")]
     assert len(closing) == 1 and "reward service is down" in closing[0] and f"comlrl resume {run_id}" in closing[0]
     assert all_gone(workdir)
