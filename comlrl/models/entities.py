@@ -37,6 +37,51 @@ def model_name(source: Any) -> str | None:
     return getattr(source, "name_or_path", None) or None
 
 
+def infer_model_name(source: Any) -> str | None:
+    """comlrl 1.4.3's name for a model source: its trainers' ``model_name`` (of the first agent).
+
+    ``None`` gives ``None`` and a string is its own name. For an object: the ``model_type``
+    (else ``_name_or_path``) of its ``base_model``'s config if it has one (so ``"llama"`` for a
+    loaded Llama); else the ``_name_or_path`` (else ``model_type``) of the config of its
+    ``.model`` (else ``.base_model``, else itself); else that object's class name.
+    """
+    if source is None:
+        return None
+    if isinstance(source, str):
+        return source
+    base_config = getattr(getattr(source, "base_model", None), "config", None)
+    if base_config is not None:
+        found = getattr(base_config, "model_type", None) or getattr(base_config, "_name_or_path", None)
+        if found:
+            return str(found)
+    if hasattr(source, "model"):
+        inner = source.model
+    elif hasattr(source, "base_model"):
+        inner = source.base_model
+    else:
+        inner = source
+    config = getattr(inner, "config", None)
+    if config is not None:
+        found = getattr(config, "_name_or_path", None) or getattr(config, "model_type", None)
+        if found:
+            return str(found)
+    return type(inner).__name__
+
+
+def agent_model_argument(agent_model: Any, model: Any) -> Any:
+    """The homogeneous agents' model from a trainer's ``agent_model`` and ``model`` arguments.
+
+    ``model`` was this argument's name in comlrl's trainers before 1.4 (1.4.3 refuses it); the two
+    name one argument, so giving both with different values is refused.
+    """
+    if model is None:
+        return agent_model
+    if agent_model is not None and agent_model is not model and _normalize(agent_model) != _normalize(model):
+        raise ValueError(f"agent_model={_describe(agent_model)} and model={_describe(model)} disagree: model is the "
+                         "older name of agent_model (comlrl before 1.4); give one of them")
+    return model
+
+
 def _describe(source: Any) -> str:
     return repr(source) if isinstance(source, str) else f"<{type(source).__name__} {model_name(source)!r}>"
 
@@ -67,6 +112,15 @@ def resolve_num_agents(num_agents: int | None, config_num_agents: int, config_na
             "overrides the constructor argument)"
         )
     return num_agents
+
+
+def keep_num_agents(trainer_name: str, current: int, value: Any) -> None:
+    """Assigning a trainer's ``num_agents``: its own value is accepted (code written for comlrl 1.4.3,
+    where it was a plain attribute, may set it), any other refused: the agents are loaded at construction."""
+    if isinstance(value, bool) or not isinstance(value, int) or value != current:
+        raise ValueError(
+            f"{trainer_name}.num_agents is {current}, fixed at construction with its {current} agents; it cannot "
+            f"become {value!r}: construct a new trainer with num_agents={value!r} (and args.num_agents={value!r})")
 
 
 def resolve_model_list(

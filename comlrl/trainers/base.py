@@ -96,14 +96,18 @@ class MultiAgentTrainer(EpochSteps):
         metrics_callback: Callable[[list[Any]], dict[str, Any]] | None = None,
         eval_logger: Callable[..., Any] | None = None,
         eval_aggregator: Callable[..., dict[str, Any]] | None = None,
+        model: Any = None,
     ) -> None:
+        """``model`` is ``agent_model`` under its name before comlrl 1.4 (:func:`entities.agent_model_argument`)."""
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
             raise ValueError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
         self.model_config = self._check_model_config(model_config)
-        self.num_agents = entities.resolve_num_agents(num_agents, self.args.num_agents, self.config_class.__name__)
+        self._num_agents = entities.resolve_num_agents(num_agents, self.args.num_agents, self.config_class.__name__)
         # Everything cheap is validated before any model is loaded.
-        sources = entities.resolve_model_list(agent_model, agents, self.num_agents)
+        sources = entities.resolve_model_list(entities.agent_model_argument(agent_model, model), agents,
+                                              self.num_agents)
+        self._model_name = entities.infer_model_name(sources[0])
         if reward_func is None:
             raise ValueError(f"reward_func must be a callable: {type(self).__name__} needs reward_func (a callable "
                              "or a list of callables), got None")
@@ -188,6 +192,26 @@ class MultiAgentTrainer(EpochSteps):
         self.model_optimizers: dict[str, ModelOptimizer] = self.build_agent_optimizers()
         self.state = self.new_state()
         self.evaluator = None  # what the eval_interval cadence calls (use_evaluator); None: evaluate()
+
+    # ----- the agents, as comlrl 1.4.3 (and earlier) code reads them ------------------------------
+    @property
+    def num_agents(self) -> int:
+        """The number of agents (models this trainer trains); assigning it anything but its value is refused."""
+        return self._num_agents
+
+    @num_agents.setter
+    def num_agents(self, value: int) -> None:
+        entities.keep_num_agents(type(self).__name__, self._num_agents, value)
+
+    @property
+    def model_name(self) -> str | None:
+        """The first agent's model name as comlrl 1.4.3 gave it (:func:`entities.infer_model_name` of its source)."""
+        return self._model_name
+
+    @property
+    def agent_models(self) -> list[Any]:
+        """The agents' models in role order (a new list each time; the models are :attr:`agents`)."""
+        return list(self.agents)
 
     # ----- the training data -----------------------------------------------------------------
     @property

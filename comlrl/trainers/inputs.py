@@ -28,6 +28,7 @@ class TrainerInputs(TypedDict, total=False):
     metrics_callback: Callable[..., Any]
     eval_logger: Callable[..., Any]
     eval_aggregator: Callable[..., Any]
+    model: Any  # agent_model's name before comlrl 1.4
 
 
 def input_names() -> set[str]:

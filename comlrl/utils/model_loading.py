@@ -5,38 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from comlrl.models.entities import model_name
-
-
-def infer_model_name(source: Any) -> str | None:
-    """A name for a model source, used to check that two sources agree.
-
-    ``None`` gives ``None`` and a string is its own name. For an object: the ``model_type``
-    (else ``_name_or_path``) of its ``base_model``'s config if it has one; else the
-    ``_name_or_path`` (else ``model_type``) of the config of its ``.model`` (else
-    ``.base_model``, else itself); else that object's class name.
-    """
-    if source is None:
-        return None
-    if isinstance(source, str):
-        return model_name(source)
-    base_config = getattr(getattr(source, "base_model", None), "config", None)
-    if base_config is not None:
-        found = getattr(base_config, "model_type", None) or getattr(base_config, "_name_or_path", None)
-        if found:
-            return str(found)
-    if hasattr(source, "model"):
-        inner = source.model
-    elif hasattr(source, "base_model"):
-        inner = source.base_model
-    else:
-        inner = source
-    config = getattr(inner, "config", None)
-    if config is not None:
-        found = getattr(config, "_name_or_path", None) or getattr(config, "model_type", None)
-        if found:
-            return str(found)
-    return type(inner).__name__
+from comlrl.models.entities import infer_model_name
 
 
 def _is_list(value: Any) -> bool:

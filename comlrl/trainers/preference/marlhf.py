@@ -75,6 +75,7 @@ class MARLHFTrainer(PreferenceRounds):
         if distributed.check_launch() is not None:
             sharding.check_shardable(type(self).__name__, self.fsdp_refusal, self.args.lora_rank, [])
         count = entities.resolve_num_agents(inputs.get("num_agents"), self.args.num_agents, self.config_class.__name__)
+        agent_model = entities.agent_model_argument(agent_model, inputs.pop("model", None))
         first_actor = entities.model_name(entities.resolve_model_list(agent_model, inputs.get("agents"), count)[0])
         self.reward_model_source = self._reward_model_source(first_actor)
         self._check_reward_device()

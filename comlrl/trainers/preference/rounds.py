@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from comlrl.callbacks import dispatch
+from comlrl.models import entities
 from comlrl.progress import Boundary, TrainerState, stage_plan
 from comlrl.training.loop import TrainingLoop, rng_restorer
 from comlrl.training.signals import StopRequest
@@ -45,7 +46,7 @@ class PreferenceRounds(TrainingLoop):
 
     The run holds a policy trainer (``policy_trainer``) and talks to it through its documented
     methods only. What it shows of it (``agents``, ``tokenizers``, ``num_agents``, the datasets,
-    ``callbacks``, ``history``, ``evaluations``) is read-only.
+    ``callbacks``, ``history``, ``evaluations``) is read-only (``num_agents`` takes only its own value).
     """
 
     STAGES: tuple[str, ...] = ()
@@ -79,7 +80,8 @@ class PreferenceRounds(TrainingLoop):
     # What the run shows of its policy trainer (read-only).
     agents = property(lambda self: self.policy_trainer.agents)
     tokenizers = property(lambda self: self.policy_trainer.tokenizers)
-    num_agents = property(lambda self: self.policy_trainer.num_agents)
+    agent_models = property(lambda self: self.policy_trainer.agent_models)
+    model_name = property(lambda self: self.policy_trainer.model_name)
     device = property(lambda self: self.policy_trainer.device)
     agent_sources = property(lambda self: self.policy_trainer.agent_sources)
     rollout_spec = property(lambda self: self.policy_trainer.rollout_spec)
@@ -90,6 +92,15 @@ class PreferenceRounds(TrainingLoop):
     data_parallel = property(lambda self: self.policy_trainer.data_parallel)
     history = property(lambda self: self.policy_trainer.history)
     evaluations = property(lambda self: self.policy_trainer.evaluations)
+
+    @property
+    def num_agents(self) -> int:
+        """The policy trainer's; assigning its own value is accepted (1.4.3 code may), any other refused."""
+        return self.policy_trainer.num_agents
+
+    @num_agents.setter
+    def num_agents(self, value: int) -> None:
+        entities.keep_num_agents(type(self).__name__, self.policy_trainer.num_agents, value)
 
     def run_agents_with(self, agent_map: Any, private_tokenizers: bool = False) -> None:
         """Route the per-agent work of the policy trainer (collection included) through ``agent_map``."""
