@@ -1,15 +1,20 @@
 """Names that code written for the original comlrl reaches for: the ``model=`` keyword, ``model_name``,
-``agent_models``, the ``ac_base`` module path, ``num_agents`` assignment (docs/migrating.md)."""
+``agent_models``, the ``ac_base`` module path, ``num_agents`` assignment, and the centralized comparator
+(``comlrl.trainers.preference.centralized``, ``comparator_generation_mode='centralized'``) (docs/migrating.md)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from comlrl.rollout.collaboration import CollaborationParseError
 from comlrl.tasks.letters import letters_reward
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
-from comlrl.trainers.preference import MADPOIterConfig, MADPOIterTrainer, MARLHFConfig, MARLHFTrainer
+from comlrl.trainers.preference import (CentralizedComparatorParseError, MADPOIterConfig, MADPOIterTrainer,
+                                        MARLHFConfig, MARLHFIterConfig, MARLHFIterTrainer, MARLHFTrainer,
+                                        TaggedCentralizedComparatorAdapter)
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 FAST = dict(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=1, disable_tqdm=True)
@@ -100,3 +105,108 @@ def test_num_agents_takes_its_own_value_only(tiny_llama, build):
                                              rf"it cannot become {value!r}: construct a new trainer"):
             trainer.num_agents = value
     assert trainer.num_agents == 2 and len(trainer.agents) == 2
+
+
+# ----- 5. the centralized comparator -------------------------------------------------------------------
+CENTRALIZED = dict(num_agents=2, num_generations=3, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=None,
+                   num_iterations=1, num_train_epochs=1, dpo_batch_size=4, max_pairs_per_prompt=4,
+                   disable_tqdm=True, seed=5, comparator_generation_mode="centralized")
+ROWS = Dataset.from_dict({"prompt": ["write about the cat", "write about the sun", "write about the tree"]})
+
+
+class HalvingAdapter:
+    """A 1.4.3-style adapter: records the agents' prompts; agent 0's part is the first half of a joint completion."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.agent_prompts: list[list[str]] = []
+        self.parts: set[tuple[str, ...]] = set()
+        self.fail = fail
+
+    def build_prompt(self, batch_item, agent_prompts):
+        self.agent_prompts.append(list(agent_prompts))
+        return "both parts of: " + batch_item["prompt"]
+
+    def parse_completion(self, completion, batch_item, num_agents):
+        if self.fail:
+            raise CentralizedComparatorParseError("no agent sections")  # 1.4.3's way: a message alone
+        half = len(completion) // 2
+        parts = (completion[:half], completion[half:])
+        self.parts.add(parts)
+        return list(parts)
+
+
+def centralized(model: str, adapter=None, **options) -> MADPOIterTrainer:
+    return MADPOIterTrainer(agent_model=model, reward_func=letters_reward, train_dataset=ROWS,
+                            args=MADPOIterConfig(**{**CENTRALIZED, **options}), centralized_comparator_adapter=adapter)
+
+
+def comparator_sides(trainer) -> list[tuple[list[str], list[list[int]]]]:
+    """(texts, token IDs) of every comparator-side candidate in the run's pairs."""
+    sides = []
+    for pair in trainer.preference_pairs.to_list():
+        for side in ("chosen", "rejected"):
+            if pair[f"{side}_source"] == "comparator":
+                sides.append((pair[side], pair[f"{side}_ids"]))
+    return sides
+
+
+def test_an_iterative_trainer_trains_against_one_model_writing_every_part(tiny_llama):
+    adapter = HalvingAdapter()
+    trainer = centralized(tiny_llama, adapter, comparator_centralized_agent_index=1)
+    before = [p.detach().clone() for p in trainer.agents[0].parameters()]
+    trainer.train()
+    assert trainer.comparator.kind == "centralized_current" and trainer.compat_settings()["comparator"] == \
+        "centralized_current"
+    assert adapter.agent_prompts == [[p, p] for p in ROWS["prompt"]]  # one joint prompt per row, from both prompts
+    sides = comparator_sides(trainer)
+    assert sides, "no pair has a comparator-side candidate"
+    tokenizer = trainer.tokenizers[0]
+    for texts, ids in sides:
+        assert tuple(texts) in adapter.parts  # the parts are the adapter's split of one joint completion
+        for agent, text in enumerate(texts):  # each tokenized for its agent, ended with its EOS
+            assert ids[agent] == tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.agents[0].parameters()))  # DPO ran
+
+
+@pytest.mark.parametrize("policy", ["partial", "empty"])
+def test_unsplittable_joint_completions_give_empty_parts(tiny_llama, policy):
+    trainer = centralized(tiny_llama, HalvingAdapter(fail=True), comparator_parse_failure=policy)
+    trainer.collect_preferences()
+    eos = trainer.tokenizers[0].eos_token_id
+    assert all(texts == ["", ""] and ids == [[eos], [eos]] for texts, ids in comparator_sides(trainer))
+
+
+def test_the_tagged_adapter_and_the_raise_policy(tiny_llama):
+    adapter = TaggedCentralizedComparatorAdapter()
+    prompt = adapter.build_prompt({"prompt": "x"}, ["say cat", "say dog"])
+    assert "say cat" in prompt and "<agent_1>" in prompt
+    assert adapter.parse_completion("<agent_1> dog </agent_1> <agent_0>cat</agent_0>", {}, 2) == ["cat", "dog"]
+    with pytest.raises(CentralizedComparatorParseError) as error:
+        adapter.parse_completion("<agent_0>cat</agent_0>", {}, 2)
+    assert error.value.responses == ["cat", ""]
+    # the built-in tagged format by default: the tiny model writes no tags, so 'raise' stops the collection
+    trainer = centralized(tiny_llama, comparator_parse_failure="raise")
+    with pytest.raises(CollaborationParseError, match=r"does not split into the 2 roles \['agent_0', 'agent_1'\]"):
+        trainer.collect_preferences()
+
+
+def test_centralized_comparator_settings(tiny_llama, tiny_llama_b):
+    trainer = centralized(tiny_llama, comparator_generation_mode="centralised", comparator_policy="model",
+                          comparator_agents=[tiny_llama, tiny_llama_b], comparator_centralized_agent_index=1)
+    assert trainer.args.comparator_generation_mode == "centralized"  # 1.4.3's spellings are translated
+    assert trainer.comparator.kind == "centralized_model"
+    assert trainer.comparator.source.sources == [tiny_llama_b]  # only the writing agent's model is loaded
+    marlhf = MARLHFIterTrainer(agent_model=tiny_llama, reward_func=letters_reward, train_dataset=ROWS,
+                               args=MARLHFIterConfig(**FAST, reward_model_device=None,
+                                                     comparator_generation_mode="centralized"),
+                               centralized_comparator_adapter=TaggedCentralizedComparatorAdapter())
+    assert marlhf.comparator.kind == "centralized_current"
+    with pytest.raises(ValueError, match=r"comparator_centralized_agent_index must be smaller than num_agents: "
+                                         r"MADPOIterConfig.comparator_centralized_agent_index=2 with num_agents=2"):
+        MADPOIterConfig(**{**CENTRALIZED, "comparator_centralized_agent_index": 2})
+    with pytest.raises(ValueError, match="comparator_parse_failure='raise' applies only to "
+                                         "comparator_generation_mode='centralized'"):
+        MADPOIterConfig(comparator_parse_failure="raise")
+    with pytest.raises(ValueError, match="centralized_comparator_adapter is used only with "
+                                         "comparator_generation_mode='centralized'"):
+        centralized(tiny_llama, HalvingAdapter(), comparator_generation_mode="decentralized")

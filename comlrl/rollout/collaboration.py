@@ -32,12 +32,13 @@ class CollaborationParseError(ValueError):
     """A joint completion that does not split into one response per role.
 
     ``responses`` holds what could be read: each role found exactly once and cleanly keeps its
-    text, every other role is ``""``.
+    text, every other role is ``""``. ``None``: nothing could be read (comlrl 1.4.3's adapters
+    raise this error, its ``CentralizedComparatorParseError``, with a message alone).
     """
 
-    def __init__(self, message: str, responses: Sequence[str]) -> None:
+    def __init__(self, message: str, responses: Sequence[str] | None = None) -> None:
         super().__init__(message)
-        self.responses = list(responses)
+        self.responses = list(responses) if responses is not None else None
 
 
 def _excerpt(text: str, limit: int = 120) -> str:
@@ -235,7 +236,7 @@ class SeparatedCollaboration(CollaborationAdapter):
 class ProtocolAdapter(CollaborationAdapter):
     """A comlrl 1.4.3 adapter (``build_prompt(batch_item, agent_prompts)``, ``parse_completion(completion,
     batch_item, num_agents)``): its parse errors (ValueErrors) become :class:`CollaborationParseError`
-    with every response ``""``, and its outputs are checked."""
+    with every response ``""`` (one that carries the readable responses is kept), and its outputs are checked."""
 
     adapter: Any = None
     format_name = "custom"
@@ -255,9 +256,9 @@ class ProtocolAdapter(CollaborationAdapter):
         name = type(self.adapter).__qualname__
         try:
             outputs = self.adapter.parse_completion(completion, row, self.num_roles)
-        except CollaborationParseError:
-            raise
         except ValueError as error:
+            if isinstance(error, CollaborationParseError) and error.responses is not None:
+                raise
             raise self._failure(completion, [f"{name}.parse_completion raised {type(error).__name__}: {error}"],
                                 [""] * self.num_roles) from error
         outputs = [outputs] if isinstance(outputs, (str, bytes)) else list(outputs)
@@ -312,7 +313,8 @@ def split_completions(adapter: CollaborationAdapter, completions: Sequence[str],
         except CollaborationParseError as error:
             if on_failure == "raise":
                 raise
-            responses = error.responses if on_failure == "partial" else [""] * adapter.num_roles
+            readable = error.responses if on_failure == "partial" else None
+            responses = readable if readable is not None else [""] * adapter.num_roles
             failed.append(True)
         for role, response in enumerate(responses):
             per_role[role].append(response)

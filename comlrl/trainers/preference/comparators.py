@@ -6,7 +6,9 @@
 - :class:`ModelComparator`: other local models (one for all agents, or one per agent), frozen;
 - :class:`APIComparator`: an OpenAI-compatible HTTP endpoint (``/chat/completions`` or
   ``/completions``), with a timeout and retries; its failures raise :class:`ComparatorAPIError`
-  naming the endpoint.
+  naming the endpoint;
+- :class:`CentralizedComparator` (``comparator_generation_mode='centralized'``): one model of the
+  above (or the policy's own agent) writes every agent's part in one joint completion.
 
 Every comparator answers :meth:`sample` with each agent's completions for every prompt, as text and
 as token IDs of that agent's tokenizer (the DPO step scores them under the agent), stored as the
@@ -38,10 +40,11 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoTokenizer
 
-from comlrl.data import format_prompt
+from comlrl.data import default_formatter, format_prompt
 from comlrl.models import entities, lora
 from comlrl.models.export import save_pretrained_models
 from comlrl.parallel.device import resolve_device
+from comlrl.rollout.collaboration import as_adapter, build_adapter, split_completions
 from comlrl.rollout.episodes import RolloutSpec, rollout_episodes
 from comlrl.rollout.generation import eos_ids
 
@@ -410,17 +413,96 @@ class APIComparator:
         pass
 
 
-def build_comparator(options: Any, policy: Any) -> Any:
-    """The comparator the options name (None for 'current'); 'model' loads its models now, 'history' at each
-    iteration."""
+class CentralizedComparator:
+    """One model writes every agent's part of a comparator candidate (comlrl 1.4.3's centralized comparator).
+
+    Per prompt, the collaboration adapter (:mod:`comlrl.rollout.collaboration`, centralized MAGRPO's) builds
+    one joint prompt from the agents' own prompts; the model samples joint completions from it, and the
+    adapter splits each into the agents' parts (``parse_failure`` decides what one that does not split
+    gives). A part is its agent's side of the candidate: its text, tokenized with the agent's tokenizer and
+    ended with the agent's EOS (its section was closed). The model is agent ``index``'s: the policy's own
+    (``source`` None, comparator_policy 'current'), or ``source.models[source_index]`` of a history or model
+    comparator, or the endpoint of an API comparator; ``source`` loads and frees it as it would alone.
+    """
+
+    def __init__(self, adapter: Any, index: int, parse_failure: str, source: Any = None, source_index: int = 0) -> None:
+        self.adapter = adapter
+        self.index = index
+        self.parse_failure = parse_failure
+        self.source = source
+        self.source_index = source_index
+        self.kind = f"centralized_{source.kind if source is not None else 'current'}"
+
+    def use_output_dir(self, output_dir: Path) -> None:
+        if self.source is not None:
+            self.source.use_output_dir(output_dir)
+
+    def begin(self, iteration: int, policy: Any) -> None:
+        if self.source is not None:
+            self.source.begin(iteration, policy)
+
+    def end(self) -> None:
+        if self.source is not None:
+            self.source.end()
+
+    def joint_completions(self, policy: Any, spec: RolloutSpec, prompts: list[str], labels: list[int]) -> list[str]:
+        """``spec.num_generations`` joint completions of each prompt, prompt by prompt."""
+        if isinstance(self.source, APIComparator):
+            count = spec.num_generations
+            with ThreadPoolExecutor(max_workers=self.source.settings.concurrency) as pool:
+                answers = pool.map(lambda prompt: self.source.completions(prompt, count, spec), prompts)
+                return [completion.text for answer in answers for completion in answer]
+        if self.source is None:
+            model, tokenizer = policy.sampling_agents()[self.index], policy.tokenizers[self.index]
+        else:
+            model, tokenizer = self.source.models[self.source_index], self.source.tokenizers[self.source_index]
+        joint_spec = spec.replace(formatters=(default_formatter,))
+        rollout = rollout_episodes([model], [tokenizer], joint_spec, [{"prompt": p} for p in prompts], labels,
+                                   policy.agent_map)
+        return rollout.joint_completions(0)[0]
+
+    def sample(self, policy: Any, spec: RolloutSpec, rows: list[dict[str, Any]], labels: list[int]) -> ComparatorSamples:
+        prompts = [self.adapter.build_prompt(row, [format_prompt(formatter, row, agent, label)
+                                                   for agent, formatter in enumerate(spec.formatters)])
+                   for row, label in zip(rows, labels)]
+        joint = self.joint_completions(policy, spec, prompts, list(labels))
+        parts, _ = split_completions(self.adapter, joint, [row for row in rows for _ in range(spec.num_generations)],
+                                     self.parse_failure)
+        return ComparatorSamples(parts, [text_ids(tokenizer, texts, [True] * len(texts))
+                                         for tokenizer, texts in zip(policy.tokenizers, parts, strict=True)])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.source.state_dict() if self.source is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.source is not None:
+            self.source.load_state_dict(state)
+
+
+def build_comparator(options: Any, policy: Any, adapter: Any = None) -> Any:
+    """The comparator the options name (None for 'current', decentralized); 'model' loads its models now,
+    'history' at each iteration. ``adapter`` is the centralized comparator's collaboration adapter (a
+    :class:`~comlrl.rollout.collaboration.CollaborationAdapter` or a 1.4.3 adapter; None: the tagged format)."""
     kind = options.comparator_policy
-    if kind == "current":
-        return None
+    centralized = options.comparator_generation_mode == "centralized"
+    if adapter is not None and not centralized:
+        raise ValueError("centralized_comparator_adapter is used only with comparator_generation_mode='centralized', "
+                         f"got {options.comparator_generation_mode!r}; set it, or leave the adapter out")
+    index = options.comparator_centralized_agent_index
     devices = comparator_devices(options.comparator_devices, policy.agent_devices)
+    source, source_index = None, 0
     if kind == "history":
-        return HistoryComparator(options.comparator_history_k or 1, devices, policy.dtype, policy.data_parallel,
-                                 Path(options.policy_checkpoint_dir) if options.policy_checkpoint_dir else None)
-    if kind == "model":
+        source, source_index = HistoryComparator(
+            options.comparator_history_k or 1, devices, policy.dtype, policy.data_parallel,
+            Path(options.policy_checkpoint_dir) if options.policy_checkpoint_dir else None), index
+    elif kind == "model":
         sources = options.comparator_agents or [options.comparator_model_name] * policy.num_agents
-        return ModelComparator([str(s) for s in sources], devices, policy.dtype, policy.args.trust_remote_code)
-    return APIComparator(APISettings.from_config(options))
+        if centralized:  # only the writing agent's model is loaded
+            sources, devices = [sources[index]], [devices[index]]
+        source = ModelComparator([str(s) for s in sources], devices, policy.dtype, policy.args.trust_remote_code)
+    elif kind == "api":
+        source = APIComparator(APISettings.from_config(options))
+    if not centralized:
+        return source
+    roles = as_adapter(adapter, policy.num_agents) if adapter is not None else build_adapter(policy.num_agents)
+    return CentralizedComparator(roles, index, options.comparator_parse_failure, source, source_index)

@@ -48,15 +48,17 @@ class MADPOIterTrainer(PreferenceRounds):
     STAGES = ("collect_preferences", "prepare_pairs", "learn_policy")
 
     def __init__(self, agent_model: Any = None, *, args: MADPOIterConfig | None = None,
-                 **inputs: Unpack[TrainerInputs]) -> None:
-        """``inputs`` are the MADPO policy trainer's (:class:`~comlrl.trainers.inputs.TrainerInputs`)."""
+                 centralized_comparator_adapter: Any = None, **inputs: Unpack[TrainerInputs]) -> None:
+        """``inputs`` are the MADPO policy trainer's (:class:`~comlrl.trainers.inputs.TrainerInputs`);
+        ``centralized_comparator_adapter`` (comlrl 1.4.3's keyword) is the collaboration adapter of the comparator
+        with ``comparator_generation_mode='centralized'`` (None: the tagged format)."""
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
             raise ValueError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
         self.policy_trainer = MADPOTrainer(agent_model=agent_model, args=self.args, **inputs)
         policy = self.policy_trainer  # loads the agents; refuses FSDP launches (MADPOTrainer.fsdp_refusal)
         self.task_reward = policy.reward
-        self.comparator = build_comparator(self.args, policy)
+        self.comparator = build_comparator(self.args, policy, centralized_comparator_adapter)
         self.collection = PreferenceCollection(self.args, self.args, policy.data_parallel, self.comparator,
                                                self.args.num_generations, self.args.preference_replay_mode)
         self.state = PbRLState(history=policy.history)  # one list: the steps are the policy's
@@ -167,7 +169,8 @@ class MADPOIterTrainer(PreferenceRounds):
         restore_rng_state(state["rng"])
 
     def compat_settings(self) -> dict[str, Any]:
-        return {**self.policy_trainer.compat_settings(), "comparator": self.args.comparator_policy}
+        return {**self.policy_trainer.compat_settings(),
+                "comparator": self.comparator.kind if self.comparator is not None else "current"}
 
     # ----- evaluation ---------------------------------------------------------------------------
     def evaluate(self, dataset: Any = None, num_samples: int | None = None, *,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from comlrl.config import not_supported_yet, option
+from comlrl.rollout.collaboration import PARSE_FAILURE_POLICIES
 
 COMPARATORS = ("current", "history", "model", "api")
 REPLAY_MODES = ("none", "all", "last_k", "lambda_decay")
@@ -29,6 +30,9 @@ VALUE_ALIASES = {
     "preference_replay_mode": {"current": "none", "latest": "none", "new": "none", "nearest_k": "last_k",
                                "recent_k": "last_k", "k": "last_k", "all_history": "all", "lambda": "lambda_decay",
                                "td_lambda": "lambda_decay", "td-lambda": "lambda_decay"},
+    "comparator_generation_mode": {"decentralised": "decentralized", "multi_agent": "decentralized",
+                                   "multi-agent": "decentralized", "centralised": "centralized",
+                                   "single_agent": "centralized", "single-agent": "centralized"},
     "comparator_api_format": {"openai": "chat", "openai_chat": "chat", "chat_completions": "chat",
                               "completion": "completions", "openai_completions": "completions"},
 }
@@ -98,12 +102,23 @@ class IterativeOptions:
                                             "('' = the key alone).")
     comparator_api_extra_body: dict | None = option(None, "comparator_policy='api': extra fields of every request "
                                                     "body.", kind=dict, optional=True)
-    comparator_generation_mode: str = not_supported_yet(
-        "decentralized", "Original comlrl's comparator mode: only 'decentralized' (every agent's part sampled "
-        "separately).", choices=("decentralized", "centralized"),
+    comparator_generation_mode: str = option(
+        "decentralized", "How the comparator writes a candidate: 'decentralized' (every agent's part sampled from "
+        "that agent's prompt by the comparator's model for that agent) or 'centralized' (one model, the one for "
+        "agent comparator_centralized_agent_index, writes every agent's part in one joint completion from a joint "
+        "prompt, split into the parts by the collaboration adapter: the trainer's centralized_comparator_adapter, "
+        "by default the tagged format <agent_i>...</agent_i>). With comparator_policy='current', 'centralized' "
+        "compares the policy's candidates against that agent's joint completions.",
+        choices=("decentralized", "centralized"),
         says="comparator_generation_mode must be one of: decentralized, centralized")
-    comparator_centralized_agent_index: int = not_supported_yet(0, "Original comlrl's centralized comparator "
-                                                                "agent; not supported.", min=0)
+    comparator_centralized_agent_index: int = option(
+        0, "comparator_generation_mode='centralized': whose model writes the joint completions (the policy's "
+        "agent, its snapshot, comparator_agents[i], on comparator_devices[i]).", min=0)
+    comparator_parse_failure: str = option(
+        "partial", "comparator_generation_mode='centralized': a joint completion that does not split into the "
+        "agents' parts: 'partial' (each part that could be read is kept, the others are empty), 'empty' (every "
+        "part empty) or 'raise' (collection stops with the parse error), as centralized MAGRPO's parse_failure.",
+        choices=PARSE_FAILURE_POLICIES)
     comparator_api_response_field: str = not_supported_yet(
         "completions", "Original comlrl's 'generic' API response field; only the OpenAI formats are supported.")
     preference_replay_mode: str = option(
@@ -177,6 +192,15 @@ def iterative_problems(config: Any) -> list[str]:
     if config.comparator_api_url and not str(config.comparator_api_url).startswith(("http://", "https://")):
         problems.append(f"{name}.comparator_api_url must start with http:// or https://, got "
                         f"{config.comparator_api_url!r}")
+    centralized = config.comparator_generation_mode == "centralized"
+    index = config.comparator_centralized_agent_index
+    if centralized and isinstance(index, int) and index >= config.num_agents:
+        problems.append(f"comparator_centralized_agent_index must be smaller than num_agents: {name}."
+                        f"comparator_centralized_agent_index={index} with num_agents={config.num_agents} (agents 0.."
+                        f"{config.num_agents - 1})")
+    if not centralized and config.comparator_parse_failure != "partial":
+        problems.append(f"{name}.comparator_parse_failure={config.comparator_parse_failure!r} applies only to "
+                        f"comparator_generation_mode='centralized', got {config.comparator_generation_mode!r}")
     if isinstance(config.comparator_devices, list) and len(config.comparator_devices) != config.num_agents:
         problems.append(f"{name}.comparator_devices has {len(config.comparator_devices)} entries for "
                         f"num_agents={config.num_agents}")

@@ -66,9 +66,11 @@ class MARLHFTrainer(PreferenceRounds):
                     "instead")
 
     def __init__(self, agent_model: Any = None, *, args: MARLHFConfig | None = None, critic_model: Any = None,
-                 critics: Sequence[Any] | None = None, **inputs: Unpack[TrainerInputs]) -> None:
+                 critics: Sequence[Any] | None = None, centralized_comparator_adapter: Any = None,
+                 **inputs: Unpack[TrainerInputs]) -> None:
         """``inputs`` are the policy trainer's (:class:`~comlrl.trainers.inputs.TrainerInputs`: agents,
-        tokenizer, reward_func, datasets, callbacks, ...); the critics are for ``rl_algorithm`` 'maac'/'iac'."""
+        tokenizer, reward_func, datasets, callbacks, ...); the critics are for ``rl_algorithm`` 'maac'/'iac';
+        ``centralized_comparator_adapter`` is the centralized comparator's adapter (see MADPOIterTrainer)."""
         self.args = args if args is not None else self.config_class()
         if not isinstance(self.args, self.config_class):
             raise ValueError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
@@ -94,7 +96,7 @@ class MARLHFTrainer(PreferenceRounds):
             self.args.reward_model_device, policy.device, self.args.reward_model_device_fallback
         )
         options = options_of(self.args)  # MARLHFIterConfig's comparator and replay options, else their defaults
-        self.comparator = build_comparator(options, policy)
+        self.comparator = build_comparator(options, policy, centralized_comparator_adapter)
         # A reward_max_length that cannot hold the agents' tags and some content fails now, not at the first fit.
         check_joint_budget(load_tokenizer(self.reward_model_source, self.args.trust_remote_code), policy.num_agents,
                            self.args.reward_max_length)
