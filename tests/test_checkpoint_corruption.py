@@ -1,13 +1,16 @@
 """Corrupted checkpoints are refused before any training step, naming the checkpoint and the file.
 
-One real checkpoint is saved per module; every case copies it, damages one file, and resumes a
-trainer from the copy. Byte-level damage is applied twice: as found (the manifest catches it) and
-re-sealed (manifest and COMPLETE rewritten to match, as if the damage had happened before the save),
-so that the parser's own check is what must name the file. Semantic damage is always re-sealed.
+One real checkpoint is saved per module; every case copies it (with its run's history folder),
+damages one file, and resumes a trainer from the copy. Byte-level damage is applied twice: as found
+(the manifest, or for the shared history file the size and sha256 its record holds, catches it) and
+re-sealed (manifest and COMPLETE, or the record, rewritten to match, as if the damage had happened
+before the save), so that the parser's own check is what must name the file. Semantic damage is
+always re-sealed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -24,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from comlrl.callbacks import TrainerCallback
+from comlrl.checkpointing.history import HISTORY_DIR, encode_rows
 from comlrl.checkpointing.manifest import seal
 from comlrl.errors import CheckpointError
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
@@ -88,6 +92,7 @@ def resumer(tiny_llama, request):
 def copy(saved, tmp_path) -> Path:
     target = tmp_path / "checkpoint-1"
     shutil.copytree(saved, target)
+    shutil.copytree(saved.parent / HISTORY_DIR, tmp_path / HISTORY_DIR)  # the rows the checkpoint names
     return target
 
 
@@ -131,7 +136,7 @@ def missing(file: Path) -> None:
 
 
 KINDS: dict[str, Callable[[Path], None]] = {f.__name__: f for f in (truncate, empty, zeroed, garbage, pickled, missing)}
-FILES = ["metadata.json", "history.json", "state.pt", "models/agent_0.safetensors", "manifest.json", "COMPLETE"]
+FILES = ["metadata.json", "state.pt", "models/agent_0.safetensors", "manifest.json", "COMPLETE"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -151,19 +156,72 @@ def test_damaged_file_is_named(resumer, copy, file, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("file", ["metadata.json", "history.json", "state.pt", "models/agent_0.safetensors"])
+@pytest.mark.parametrize("file", ["metadata.json", "state.pt", "models/agent_0.safetensors"])
 def test_damaged_file_is_named_by_its_parser(resumer, copy, file, kind):
     KINDS[kind](copy / file)
     seal(copy)
     error = refused(resumer, copy)
     assert error.file == file, error
     expected = {"metadata.json": "not valid JSON|not UTF-8|is missing",
-                "history.json": "not valid JSON|not UTF-8|is missing",
                 "state.pt": "not a readable torch file|pickled Python objects|is missing",
                 "models/agent_0.safetensors": "not a readable safetensors file|is missing"}[file]
     assert any(part in error.problem for part in expected.split("|")), error
     if file == "state.pt" and kind == "pickled":
         assert "never loaded" in error.problem and "GLOBAL posix.system" in error.problem
+
+
+# ----- the run's history file (comlrl.checkpointing.history) -----------------------------------------
+def history_record(path: Path) -> dict:
+    return json.loads((path / "metadata.json").read_text())["history"]
+
+
+def history_file(path: Path) -> Path:
+    return path.parent / HISTORY_DIR / history_record(path)["file"]
+
+
+def history_label(path: Path) -> str:
+    """The history file as errors name it: relative to the checkpoint."""
+    return f"../{HISTORY_DIR}/{history_record(path)['file']}"
+
+
+def rewrite_history(path: Path, data: bytes) -> None:
+    """The history file holds ``data`` and the checkpoint's record counts all of it (re-recorded, then re-sealed)."""
+    history_file(path).write_bytes(data)
+    record = {"file": history_record(path)["file"], "rows": data.count(b"\n"), "bytes": len(data),
+              "sha256": hashlib.sha256(data).hexdigest()}
+    edit_metadata(path, lambda m: m.__setitem__("history", record))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_damaged_history_file_is_named(resumer, copy, kind):
+    label = history_label(copy)
+    KINDS[kind](history_file(copy))
+    error = refused(resumer, copy)
+    assert error.file == label, error
+    expected = {"missing": "is missing: the checkpoint's 1 history rows are kept in the history/ folder",
+                "truncate": "fewer than the", "empty": "fewer than the", "pickled": "fewer than the",
+                "zeroed": "changed since the checkpoint was saved", "garbage": "changed since the checkpoint was saved"}
+    assert expected[kind] in error.problem, error
+
+
+@pytest.mark.parametrize("data, words", [(b"{not json\n", "line 1 is not valid JSON"), (b"\xff\xfe\n", "line 1 is not UTF-8"),
+                                         (b'{"step": 1}', "hold 0 whole lines, not the 1 rows")])
+def test_a_damaged_history_file_is_named_by_its_parser(resumer, copy, data, words):
+    rewrite_history(copy, data)
+    if not data.endswith(b"\n"):
+        edit_metadata(copy, lambda m: m["history"].__setitem__("rows", 1))
+    seal(copy)
+    error = refused(resumer, copy)
+    assert error.file == history_label(copy) and words in error.problem, error
+
+
+def test_a_history_file_that_is_a_link_is_refused(resumer, copy, tmp_path):
+    other = tmp_path / "other-run.jsonl"
+    shutil.copyfile(history_file(copy), other)
+    history_file(copy).unlink()
+    history_file(copy).symlink_to(other)
+    error = refused(resumer, copy)
+    assert error.file == history_label(copy) and "symbolic link" in error.problem and str(other) in error.problem
 
 
 # ----- semantic damage (re-sealed) -------------------------------------------------------------------
@@ -201,9 +259,9 @@ def extra_model_file(path: Path) -> None:
 
 
 def rows_renumbered(path: Path) -> None:
-    history = json.loads((path / "history.json").read_text())
+    history = [json.loads(line) for line in history_file(path).read_text().splitlines()]
     history[0]["step"] = 7
-    (path / "history.json").write_text(json.dumps(history))
+    rewrite_history(path, encode_rows(history))
 
 
 def listed_model_missing(path: Path) -> None:
@@ -222,6 +280,8 @@ def set_in(keys: list, value) -> Callable[[dict], None]:
     return change
 
 
+HISTORY = "the run's history file"  # (its name holds the run's attempt id)
+
 SEMANTIC: dict[str, tuple[Callable[[Path], None], str, str]] = {
     # name: (damage, file named, words of the problem)
     "boundary is 'five'": (lambda p: edit_metadata(p, set_in(["boundary"], "five")), "metadata.json",
@@ -230,14 +290,22 @@ SEMANTIC: dict[str, tuple[Callable[[Path], None], str, str]] = {
     "unknown metadata key": (lambda p: edit_metadata(p, set_in(["surprise"], 1)), "metadata.json",
                              "unknown key 'surprise'"),
     "format version 1": (lambda p: edit_metadata(p, set_in(["format_version"], 1)), "metadata.json",
-                         "format_version is 1, not this library's format 2"),
+                         "format_version is 1, not this library's format 3 (or the earlier 2)"),
+    "format 2 with a history record": (lambda p: edit_metadata(p, set_in(["format_version"], 2)), "metadata.json",
+                                       "unknown key 'history'"),
+    "no history record": (lambda p: edit_metadata(p, lambda m: m.pop("history")), "metadata.json",
+                          "missing key 'history'"),
+    "history record outside history/": (lambda p: edit_metadata(p, set_in(["history", "file"], "../x.jsonl")),
+                                        "metadata.json", "history.file is '../x.jsonl', expected a file name"),
+    "history record of more rows": (lambda p: edit_metadata(p, set_in(["history", "rows"], 2)), HISTORY,
+                                    "hold 1 whole lines, not the 2 rows"),
     "another trainer": (lambda p: edit_metadata(p, set_in(["trainer"], "IACTrainer")), "metadata.json",
                         "written by IACTrainer, not MAGRPOTrainer"),
     "compat not an object": (lambda p: edit_metadata(p, set_in(["compat"], [1])), "metadata.json",
                              "compat is list, expected an object"),
     "global_step -7": (both_progress("global_step", -7), "metadata.json",
                        "state.global_step is -7, expected a non-negative integer"),
-    "global_step huge": (both_progress("global_step", 10 ** 9), "history.json",
+    "global_step huge": (both_progress("global_step", 10 ** 9), HISTORY,
                          "has 1 rows but metadata.json's state.global_step is 1000000000"),
     "global_step 'abc'": (both_progress("global_step", "abc"), "metadata.json",
                           'state.global_step is "abc", expected a non-negative integer'),
@@ -253,9 +321,8 @@ SEMANTIC: dict[str, tuple[Callable[[Path], None], str, str]] = {
                            "differs from metadata.json's state in ['nonfinite_updates']"),
     "bad lineage id": (lambda p: edit_metadata(p, set_in(["lineage", "attempt"], "../../elsewhere")), "metadata.json",
                        "invalid attempt id '../../elsewhere'"),
-    "history is a string": (lambda p: (p / "history.json").write_text('"abc"'), "history.json",
-                            "expected a list of metric rows"),
-    "history renumbered": (rows_renumbered, "history.json", "row 0 has step 7, expected 1"),
+    "history is a string": (lambda p: rewrite_history(p, b'"abc"\n'), HISTORY, "expected a list of metric rows"),
+    "history renumbered": (rows_renumbered, HISTORY, "row 0 has step 7, expected 1"),
     "NaN weight": (nan_weight, "models/agent_0.safetensors", "holds NaN or infinite values"),
     "listed model missing": (listed_model_missing, "models/agent_2.safetensors", "is missing"),
     "model file not listed": (extra_model_file, "models/agent_2.safetensors", "is not part of a checkpoint"),
@@ -279,6 +346,7 @@ SEMANTIC: dict[str, tuple[Callable[[Path], None], str, str]] = {
 @pytest.mark.parametrize("case", SEMANTIC)
 def test_wrong_contents_are_named(resumer, copy, case):
     damage, file, words = SEMANTIC[case]
+    file = history_label(copy) if file == HISTORY else file
     damage(copy)
     seal(copy)
     error = refused(resumer, copy)
@@ -353,9 +421,9 @@ def test_finiteness_check_finds_nan_and_inf_and_never_overflows(dtype):
 
 def test_the_error_crosses_processes(resumer, copy):
     """Dask and Prefect workers send errors back pickled: the checkpoint, file and problem survive."""
-    (copy / "history.json").write_text("[]")
+    (copy / "state.pt").write_text("[]")
     error = pickle.loads(pickle.dumps(refused(resumer, copy)))
-    assert isinstance(error, CheckpointError) and (error.checkpoint, error.file) == (str(copy), "history.json")
+    assert isinstance(error, CheckpointError) and (error.checkpoint, error.file) == (str(copy), "state.pt")
     assert "has 2 bytes but" in str(error)
 
 

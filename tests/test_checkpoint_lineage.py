@@ -24,7 +24,8 @@ from datasets import Dataset
 from safetensors.torch import load_file
 
 from comlrl.callbacks import TrainerCallback
-from comlrl.checkpointing import latest_checkpoint, list_checkpoints
+from comlrl.checkpointing import latest_checkpoint, list_checkpoints, read_history
+from comlrl.checkpointing.history import HISTORY_DIR
 from comlrl.checkpointing.lineage import ARCHIVE_DIR, JOURNAL_FILE
 from comlrl.checkpointing.recovery import recover
 from comlrl.errors import TrainingInterrupted
@@ -44,7 +45,8 @@ def lineage_of(checkpoint: Path) -> dict:
 
 
 def names(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
+    """The entries of ``directory`` but the run's history folder (the rows its checkpoints share)."""
+    return sorted(p.name for p in directory.iterdir() if p.name != HISTORY_DIR)
 
 
 def assert_weights_equal(trainer: MAGRPOTrainer, checkpoint: Path) -> None:
@@ -118,11 +120,12 @@ def dead_pid() -> int:
 
 def place(source: Path, target: Path, state: str = "sealed") -> None:
     shutil.copytree(source, target)
+    shutil.copytree(source.parent / HISTORY_DIR, target.parent / HISTORY_DIR, dirs_exist_ok=True)
     if state == "unsealed":  # a save killed before its seal
         (target / "COMPLETE").unlink()
         (target / "manifest.json").unlink()
     elif state == "damaged":  # sealed, then a file changed
-        (target / "history.json").write_text("[]")
+        (target / "state.pt").write_bytes(b"[]")
     elif state == "half-deleted":  # the deletion of a replaced copy was cut short
         (target / "COMPLETE").unlink()
         shutil.rmtree(target / "models")
@@ -286,5 +289,5 @@ def test_random_sigkills_resume_the_newest_checkpoint_of_the_resumed_run(tiny_ll
         assert record["resumed_from"] == starts[record["attempt"]], (checkpoint.name, record)
     assert any((root / ARCHIVE_DIR).iterdir())  # the abandoned branch was kept
     assert_weights_equal(straight, last)
-    history = json.loads((last / "history.json").read_text())
+    history = read_history(last)
     assert [row["reward_mean"] for row in history] == [row["reward_mean"] for row in straight.state.history]

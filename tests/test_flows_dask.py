@@ -7,13 +7,13 @@ Uses the Prefect test harness and the temporary MLflow store of tests/test_flows
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from comlrl.checkpointing import read_history
 from flows.spec import ExecutionSpec, SpecError, load_spec, parse_spec, spec_hash
 from test_flows import SPEC, STEPS_PER_EPOCH, pipeline, project, task_run_names, write_spec  # noqa: F401 (fixtures)
 
@@ -29,7 +29,7 @@ def weights(checkpoint: str) -> list[dict[str, torch.Tensor]]:
 
 
 def rewards(checkpoint: str) -> list[dict[str, float]]:
-    history = json.loads((Path(checkpoint) / "history.json").read_text())
+    history = read_history(checkpoint)
     return [{key: value for key, value in row.items()
              if (key.startswith("reward") or key.endswith("/loss")) and not key.endswith("_time")} for row in history]
 

@@ -12,7 +12,6 @@ logged training metrics. Wall-time and memory metrics differ by nature and are l
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -22,6 +21,7 @@ import yaml
 from safetensors.torch import load_file
 
 from comlrl.callbacks import MetricsRecorder
+from comlrl.checkpointing import read_history
 from comlrl.tasks.letters import write_dataset
 from letters_spec import letters_spec
 
@@ -131,9 +131,9 @@ def test_train_and_comlrl_run_end_in_the_same_place(family, harness, tmp_path):
     for weights in sorted((mine / "models").glob("*.safetensors")):
         a, b = load_file(str(weights)), load_file(str(theirs / "models" / weights.name))
         assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), f"{family}: {weights.name} differs"
-    history = [comparable(row) for row in json.loads((mine / "history.json").read_text())]
-    assert history and len(history) == len(json.loads((theirs / "history.json").read_text()))
-    assert all(same_numbers(x, comparable(y)) for x, y in zip(history, json.loads((theirs / "history.json").read_text())))
+    history, their_history = [comparable(row) for row in read_history(mine)], read_history(theirs)
+    assert history and len(history) == len(their_history)
+    assert all(same_numbers(x, comparable(y)) for x, y in zip(history, their_history))
 
     # Evaluation points and logged training metrics: the library's callback records against the MLflow run.
     client = MlflowClient(harness)

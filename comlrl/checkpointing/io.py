@@ -2,8 +2,9 @@
 
 Layout of ``checkpoint-N`` (N = completed boundaries)::
 
-    metadata.json          progress, resolved config, model fingerprints, run identities, lineage
-    history.json           the per-step metrics so far
+    metadata.json          progress, resolved config, model fingerprints, run identities, lineage,
+                           and which rows of the run's history file are this checkpoint's
+                           (:mod:`comlrl.checkpointing.history`; format 2 held them in ``history.json``)
     models/<name>.safetensors   the weights of every trained model (``trainer.checkpoint_modules()``)
     state.pt               ``trainer.state_dict()`` less its history: progress, optimizer-step components
                            (optimizer, LR schedule, pending gradients), RNG states, stateful user
@@ -54,10 +55,12 @@ from comlrl.checkpointing.manifest import COMPLETE_MARKER
 from comlrl.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
 from comlrl.parallel import sharding
 
-FORMAT_VERSION = 2  # of the layout; a checkpoint of another format is refused
+FORMAT_VERSION = 3  # of the layout; a checkpoint of another format is refused, except:
+LEGACY_FORMAT = 2  # the history in the checkpoint's own HISTORY_FILE rather than a shared file
+READABLE_FORMATS = (LEGACY_FORMAT, FORMAT_VERSION)
 CHECKPOINT_PREFIX = "checkpoint-"
 METADATA_FILE = "metadata.json"
-HISTORY_FILE = "history.json"
+HISTORY_FILE = "history.json"  # format 2 only
 STATE_FILE = "state.pt"
 MODELS_DIR = "models"
 WEIGHTS_SUFFIX = ".safetensors"
@@ -178,7 +181,7 @@ def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
 
 
 # ----- writing ------------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -210,12 +213,12 @@ def write_checkpoint(
     modules: dict[str, torch.nn.Module | dict[str, torch.Tensor]],
     state: dict[str, Any],
     metadata: dict[str, Any],
-    history: list[dict[str, Any]] | None = None,
 ) -> Path:
     """Write the checkpoint directory ``name`` atomically (the sequence above) and return its path.
 
     ``modules`` holds modules, or the full state dicts gathered from sharded ones; ``state`` is the
-    trainer's state dict (tensors and plain values).
+    trainer's state dict (tensors and plain values) less its history, whose rows are already in the
+    run's history file and named by ``metadata["history"]`` (:mod:`comlrl.checkpointing.history`).
     """
     root = Path(checkpoint_dir)
     final = root / name
@@ -233,16 +236,14 @@ def write_checkpoint(
                 save_state(module, str(staging / current))
         current = STATE_FILE
         torch.save(state, staging / STATE_FILE)
-        current = HISTORY_FILE
-        (staging / HISTORY_FILE).write_text(json.dumps(history or []))
         current = METADATA_FILE
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         current = "manifest.json and COMPLETE"
         manifest.seal(staging)
-        _fsync_dir(staging)
+        fsync_dir(staging)
         current = "the directory (rename into place)"
         install(staging, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except (OSError, RuntimeError, SafetensorError) as error:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)

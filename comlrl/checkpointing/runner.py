@@ -20,7 +20,8 @@ from typing import Any, Callable
 import torch
 
 import comlrl
-from comlrl.checkpointing import io, lineage, recovery, validate
+from comlrl.checkpointing import io, lineage, recovery, validate, write_errors
+from comlrl.checkpointing.history import HISTORY_DIR, RECORD_KEY, HistoryLog, encode_rows
 from comlrl.checkpointing.io import FORMAT_VERSION
 from comlrl.checkpointing.lock import DirectoryLock
 from comlrl.errors import CheckpointError, CheckpointWriteError
@@ -87,6 +88,8 @@ class CheckpointRunner:
         if self.lock is not None:
             self.on_main(self.lock.acquire)
         try:
+            # The run's per-step rows, appended at each save (comlrl.checkpointing.history).
+            self.history = HistoryLog(self.checkpoint_dir, self.attempt) if self.checkpoint_dir is not None else None
             if self.checkpoint_dir is not None:
                 self.on_main(lambda: self.recovered.extend(recovery.recover(self.checkpoint_dir)))
             self.resume_path = self._resolve_resume(resume_from_checkpoint)
@@ -148,6 +151,8 @@ class CheckpointRunner:
         trainer, path = self.trainer, contents.path
         io.load_modules(path, trainer.checkpoint_modules())
         state = contents.state
+        if self.history is not None and RECORD_KEY in contents.metadata:
+            self.history.continue_file(path, contents.metadata[RECORD_KEY], contents.history)
         state["progress"]["history"] = contents.history
         try:
             trainer.load_state_dict(state, f"checkpoint {str(path)!r}")  # the RNGs last
@@ -263,11 +268,21 @@ class CheckpointRunner:
             "mlflow": trainer.run_identity.get("mlflow"),
             "lineage": lineage.record(self.attempt, self.resume_path, self.parent_lineage),
             "manifest": True,
+            RECORD_KEY: self._append_history(name, history),
         }
-        path = io.write_checkpoint(self.checkpoint_dir, name, modules, state, metadata, history)
+        path = io.write_checkpoint(self.checkpoint_dir, name, modules, state, metadata)
         self.last_saved = trainer.state.boundaries
         self.last_path = path
         self.last_position = (trainer.state.boundaries, trainer.state.global_step)
         if self.save_total_limit is not None:
             io.prune(self.checkpoint_dir, self.save_total_limit, spare=self.resume_path)
         return path
+
+    def _append_history(self, name: str, history: list[dict[str, Any]]) -> dict[str, Any]:
+        """The rows since the last save, appended (and fsync'd) before checkpoint ``name`` is written; its record."""
+        try:
+            return self.history.append(history)
+        except OSError as error:
+            cause, code = write_errors.describe(error, self.checkpoint_dir, len(encode_rows(history)))
+            file = f"../{HISTORY_DIR}/{self.history.file or ''}"  # relative to the checkpoint, as errors name files
+            raise CheckpointWriteError(self.checkpoint_dir / name, file, cause, code) from error

@@ -10,7 +10,9 @@
 3. ``metadata.json``: its schema (keys, types, non-negative counts) and its consistency: the boundary
    equals the progress's, the directory name ``checkpoint-N[-stepS]`` matches them, the progress fits
    its boundary kind, and the models listed are exactly the weight files present;
-4. ``history.json``: one metric row per completed step, numbered 1, 2, ...;
+4. the history: the rows ``metadata.json``'s ``history`` record names in the run's history file
+   (:mod:`comlrl.checkpointing.history`: their size and sha256), or a format-2 checkpoint's
+   ``history.json``: one metric row per completed step, numbered 1, 2, ...;
 5. every weight file: readable safetensors holding the tensors of the metadata's fingerprint, all finite;
 6. ``state.pt``: tensors and plain values only, a progress equal to the metadata's, every tensor
    finite (except pending gradients: a window's NaN/inf gradient is saved as it was, and the optimizer
@@ -35,6 +37,7 @@ from typing import Any, Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
+from comlrl.checkpointing import history as history_log
 from comlrl.checkpointing import io, lineage, manifest
 from comlrl.errors import CheckpointError
 from comlrl.progress import TrainerState
@@ -82,8 +85,8 @@ def read_checkpoint(path: str | Path, trainer: Any = None) -> CheckpointContents
         manifest.verify(path)
     metadata = io.read_metadata(path)
     check_metadata(path, metadata, sealed, trainer)
-    history = io.read_json(path, io.HISTORY_FILE)
-    check_history(path, history, metadata)
+    history, history_file = history_log.read(path, metadata)
+    check_history(path, history, metadata, history_file)
     check_layout(path, metadata)
     for name, fingerprint in metadata["models"].items():
         check_weights(path, io.weights_file(name), fingerprint)
@@ -127,9 +130,10 @@ def _shown(value: Any) -> str:
 # ----- metadata.json ------------------------------------------------------------------------------
 def check_metadata(path: Path, metadata: dict[str, Any], sealed: bool, trainer: Any = None) -> None:
     fail = _failing(path, io.METADATA_FILE)
-    if metadata.get("format_version") != io.FORMAT_VERSION:
+    if metadata.get("format_version") not in io.READABLE_FORMATS:
         fail(f"format_version is {_shown(metadata.get('format_version'))}, not this library's format "
-             f"{io.FORMAT_VERSION}; start a new run from the exported models instead")
+             f"{io.FORMAT_VERSION} (or the earlier {io.LEGACY_FORMAT}); start a new run from the exported models "
+             "instead")
     claims_manifest = metadata.get("manifest") is True
     if claims_manifest and not sealed:
         raise CheckpointError(path, manifest.MANIFEST_FILE, "is missing (metadata.json says the checkpoint was "
@@ -138,8 +142,9 @@ def check_metadata(path: Path, metadata: dict[str, Any], sealed: bool, trainer: 
         logger.warning("checkpoint %r has no %s (saved before checkpoints carried one): its files' sizes and "
                        "checksums cannot be verified; every other check still applies", str(path),
                        manifest.MANIFEST_FILE)
-    required = {**METADATA_FIELDS, **(SEALED_FIELDS if sealed else {})}
-    known = {**METADATA_FIELDS, **SEALED_FIELDS}
+    history_field = {history_log.RECORD_KEY: (dict,)} if metadata["format_version"] == io.FORMAT_VERSION else {}
+    required = {**METADATA_FIELDS, **(SEALED_FIELDS if sealed else {}), **history_field}
+    known = {**METADATA_FIELDS, **SEALED_FIELDS, **history_field}
     for key in sorted(metadata):
         if key not in known:
             fail(f"unknown key {key!r} (known: {', '.join(sorted(known))})")
@@ -155,6 +160,8 @@ def check_metadata(path: Path, metadata: dict[str, Any], sealed: bool, trainer: 
         fail(f"boundary is {metadata['boundary']}, expected a non-negative integer")
     if "lineage" in metadata:
         lineage.check_record(metadata["lineage"], fail)
+    if history_field:
+        history_log.check_record(metadata[history_log.RECORD_KEY], fail)
     check_models_record(metadata["models"], fail)
     check_progress(metadata["state"], progress_fields(trainer), fail, "state", exact=trainer is not None)
     check_progress_consistency(path, metadata, fail, trainer)
@@ -239,11 +246,11 @@ def check_progress_consistency(path: Path, metadata: dict[str, Any], fail: Calla
                  f"(iteration {_shown(state.get('iteration'))}, stage {_shown(state.get('stage'))})")
 
 
-# ----- history.json -------------------------------------------------------------------------------
-def check_history(path: Path, history: Any, metadata: dict[str, Any]) -> None:
+# ----- history -------------------------------------------------------------------------------------
+def check_history(path: Path, history: Any, metadata: dict[str, Any], file: str = io.HISTORY_FILE) -> None:
     """One row per completed step, numbered 1, 2, ... (a preference run's history also holds the
-    policy steps of a stage in progress, ahead of its global_step)."""
-    fail = _failing(path, io.HISTORY_FILE)
+    policy steps of a stage in progress, ahead of its global_step); ``file`` is where the rows came from."""
+    fail = _failing(path, file)
     if not isinstance(history, list) or not all(isinstance(row, dict) for row in history):
         fail(f"holds {_shown(history)}, expected a list of metric rows (objects)")
     for index, row in enumerate(history):
@@ -271,7 +278,9 @@ def check_no_links(path: Path) -> None:
 
 def check_layout(path: Path, metadata: dict[str, Any]) -> None:
     """The files present are exactly the layout's: the weights of the models listed, nothing else."""
-    expected = {io.METADATA_FILE, io.HISTORY_FILE, io.STATE_FILE} | {io.weights_file(n) for n in metadata["models"]}
+    expected = {io.METADATA_FILE, io.STATE_FILE} | {io.weights_file(n) for n in metadata["models"]}
+    if metadata["format_version"] == io.LEGACY_FORMAT:
+        expected.add(io.HISTORY_FILE)
     present = set(manifest.checkpoint_files(path))
     for name in sorted(expected - present):
         raise CheckpointError(path, name, f"is missing (metadata.json lists models {sorted(metadata['models'])})"
