@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from comlrl.models.tokenizers import check_tokenizer, check_tokenizers
 from comlrl.rollout.generation import token_text
 
 logger = logging.getLogger(__name__)
@@ -199,8 +200,17 @@ def prepare_tokenizer(tokenizer: PreTrainedTokenizerBase, role: str) -> PreTrain
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ValueError(f"the tokenizer of {role} has neither a pad token nor an EOS token; set one")
-        logger.warning("the tokenizer of %s has no pad token; using its EOS token %r", role, tokenizer.eos_token)
-        tokenizer.pad_token = tokenizer.eos_token
+        eos_token = getattr(tokenizer, "eos_token", None)
+        logger.warning("the tokenizer of %s has no pad token; using its EOS token %r", role, eos_token)
+        try:
+            tokenizer.pad_token = eos_token
+        except AttributeError:  # a tokenizer object whose pad_token cannot be set: reported just below
+            pass
+        if tokenizer.pad_token_id is None:
+            raise ValueError(
+                f"the tokenizer of {role} ({type(tokenizer).__name__}) has no pad_token_id, and setting its "
+                f"pad_token to the EOS token {eos_token!r} did not give it one; set its pad_token_id"
+            )
     return tokenizer
 
 
@@ -220,7 +230,8 @@ def chat_template_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
     text = _template_text(getattr(tokenizer, "chat_template", None))
     if not text:
         return {}
-    return {int(i): t.content for i, t in tokenizer.added_tokens_decoder.items() if t.content and t.content in text}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {int(i): t.content for i, t in added.items() if t.content and t.content in text}
 
 
 def used_special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
@@ -239,13 +250,15 @@ def used_special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[int, str]:
 def check_tokenizer_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, role: str) -> None:
     """Compatible means every id the trainer feeds the model has an embedding row: the base vocabulary
     and the special tokens in use. Other added tokens past the embeddings (transformers may add default
-    special tokens when it reloads a tokenizer) are never fed, so they only warn."""
+    special tokens when it reloads a tokenizer) are never fed, so they only warn. A tokenizer object that
+    does not tell its ``vocab_size`` or added tokens (:mod:`comlrl.models.tokenizers`) is checked on the
+    special ids it has."""
     rows = model.get_input_embeddings().num_embeddings
     name = model_name(model)
     remedy = ("pass that model's own tokenizer, or resize the model's embeddings "
               "(model.resize_token_embeddings(len(tokenizer))) before training")
-    base = tokenizer.vocab_size
-    if base > rows:
+    base = getattr(tokenizer, "vocab_size", None)
+    if isinstance(base, int) and base > rows:
         raise ValueError(
             f"the tokenizer given for {role} has {base} tokens but the model {name!r} embeds only {rows}: "
             f"its base-vocabulary ids {rows}..{base - 1} (the first is {token_text(tokenizer, rows)!r}) "
@@ -259,7 +272,8 @@ def check_tokenizer_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
                 f"{role} has no embedding row: the model {name!r} embeds only {rows} tokens (ids 0..{rows - 1}); "
                 f"set a token the model embeds instead, or {remedy}"
             )
-    unused = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if i >= rows and i not in used}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    unused = {i: t.content for i, t in added.items() if i >= rows and i not in used}
     if unused:
         listed = ", ".join(f"{text!r} (id {i})" for i, text in sorted(unused.items()))
         logger.warning(
@@ -304,10 +318,8 @@ def resolve_tokenizers(
         if len(tokenizer) != count:
             raise ValueError(f"tokenizers length must match agents: tokenizer is a list of {len(tokenizer)} but "
                              f"there are {count} agents; give {count}")
-        return list(tokenizer)
-    if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        raise ValueError(f"tokenizer must be a transformers tokenizer or a list of them, got {type(tokenizer).__name__}")
-    return [tokenizer] * count
+        return check_tokenizers(tokenizer, "tokenizer")
+    return [check_tokenizer(tokenizer, "tokenizer")] * count
 
 
 def load_models(

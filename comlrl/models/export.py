@@ -8,6 +8,8 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from comlrl.models.tokenizers import save_tokenizer
+
 
 def save_pretrained_models(
     models: Sequence[PreTrainedModel],
@@ -18,7 +20,7 @@ def save_pretrained_models(
     for model, tokenizer, directory in zip(models, tokenizers, directories):
         directory.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(directory, safe_serialization=True)
-        tokenizer.save_pretrained(directory)
+        save_tokenizer(tokenizer, directory)
 
 
 def save_value_head(head: torch.nn.Module, directory: Path) -> Path:

@@ -43,6 +43,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
+from comlrl.models.tokenizers import save_tokenizer
+
 TRUE_VALUES = ("1", "true", "yes")
 FALSE_VALUES = ("0", "false", "no")
 WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "NO_WRAP")
@@ -386,7 +388,7 @@ def export_models(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], 
         if dist.get_rank() == 0:
             directory.mkdir(parents=True, exist_ok=True)
             model.save_pretrained(directory, state_dict=state, safe_serialization=True)
-            tokenizer.save_pretrained(directory)
+            save_tokenizer(tokenizer, directory)
 
 
 def gather_weights(modules: dict[str, torch.nn.Module]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from comlrl.models.tokenizers import decode_rows
 from comlrl.rollout.sampling import SamplingParams, decode
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ def generate_completions(
                                 generator, num_generations)
     mask = completion_mask(completion_ids, tokenizer.eos_token_id)
     completion_ids = torch.where(mask.bool(), completion_ids, torch.full_like(completion_ids, tokenizer.pad_token_id))
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    texts = decode_rows(tokenizer, completion_ids)
     return Generation(
         prompt_ids=prompt_ids.repeat_interleave(num_generations, dim=0),
         prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
@@ -234,5 +235,5 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str | None:
     """The token ``token_id`` as the tokenizer writes it (None when it has no such id)."""
     try:
         return tokenizer.convert_ids_to_tokens(int(token_id))
-    except (IndexError, KeyError, OverflowError, TypeError, ValueError):
+    except (AttributeError, IndexError, KeyError, OverflowError, TypeError, ValueError):  # AttributeError: no such method
         return None

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 from datasets import Dataset, concatenate_datasets
 
+from comlrl.models.tokenizers import decode_rows
 from comlrl.rollout.generation import Generation, encode_prompts
 
 PAIR_COLUMNS = ("iteration", "row_index", "prompt", "agent_prompts", "chosen", "rejected", "chosen_ids",
@@ -176,7 +177,7 @@ def pair_generation(tokenizer: Any, prompts: Sequence[str], chosen_ids: Sequence
     for row, ids in enumerate(completions):
         completion_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         mask[row, :len(ids)] = 1
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    texts = decode_rows(tokenizer, completion_ids)
     return Generation(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids.to(device),
                       completion_mask=mask.to(device), texts=texts, num_generations=1)
 

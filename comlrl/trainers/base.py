@@ -28,6 +28,7 @@ from comlrl.parallel.placement import (AgentMap, devices_of, local_gpus, map_by_
 from comlrl.parallel.placement import private_tokenizers as private_copies
 from comlrl.errors import NonFiniteTrainingError
 from comlrl.models.export import save_pretrained_models
+from comlrl.models.tokenizers import tokenizer_size
 from comlrl.rollout.rewards import JointReward
 from comlrl.rollout.episodes import Rollout, RolloutSpec, rollout_episodes, score_rollout
 from comlrl.rollout.generation import context_length
@@ -599,7 +600,7 @@ class MultiAgentTrainer(EpochSteps):
         """Settings that must be equal for a checkpoint's state to continue this run exactly."""
         return {
             "num_agents": self.num_agents,
-            "tokenizer_sizes": [len(t) for t in self.tokenizers],
+            "tokenizer_sizes": [tokenizer_size(t) for t in self.tokenizers],
             "train_dataset_rows": len(self.train_dataset),
             "train_batch_size": self.global_batch_size,  # per_device_train_batch_size x processes
             "gradient_accumulation_steps": self.args.gradient_accumulation_steps,

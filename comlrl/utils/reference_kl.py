@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from comlrl.algorithms.kl import k3_token_kl
-from comlrl.parallel.placement import check_placement_format
+from comlrl.parallel.placement import local_gpus, resolve_placement, spread_by_size
+from comlrl.training.logprobs import token_logprobs
 from comlrl.utils.distributed import unwrap_model
 
 
@@ -29,29 +30,38 @@ def reference_kl_coef(args: Any) -> float:
 
 
 def validate_reference_kl_config(args: Any, expected_count: int) -> None:
-    """``ValueError`` for a negative coefficient, or (when enabled) ``reference_devices`` that do not fit
-    ``expected_count`` models (one device, or a list with one per model)."""
+    """``ValueError`` for a negative coefficient, or (when enabled) ``reference_devices`` that
+    :func:`resolve_reference_devices` cannot place ``expected_count`` models on."""
     if reference_kl_coef(args) < 0:
         raise ValueError(f"reference_kl_coef must be >= 0, got {reference_kl_coef(args)}")
     devices = getattr(args, "reference_devices", None)
     if reference_kl_enabled(args) and devices is not None:
-        problem = check_placement_format(devices, expected_count, "reference_devices")
-        if problem:
-            raise ValueError(problem)
+        _placed(devices, expected_count)
 
 
 def resolve_reference_devices(args: Any, fallback_devices: Sequence[torch.device],
                               expected_count: int) -> list[torch.device]:
-    """One device per reference model: ``args.reference_devices`` (one for all, or one each), else the fallbacks."""
+    """One device per reference model: ``args.reference_devices`` (one for all, a one-entry list for all, or
+    one each; ``'auto'`` in any case spreads them over this process's GPUs, else the CPU), else the fallbacks."""
     devices = getattr(args, "reference_devices", None)
     if devices is None:
         return list(fallback_devices)
-    problem = check_placement_format(devices, expected_count, "reference_devices")
-    if problem:
-        raise ValueError(problem)
-    one = isinstance(devices, str) or len(devices) == 1
-    listed = [devices if isinstance(devices, str) else devices[0]] * expected_count if one else devices
-    return [torch.device(device) for device in listed]
+    return _placed(devices, expected_count)
+
+
+def _placed(devices: Any, count: int) -> list[torch.device]:
+    """The library's placement rules (:func:`comlrl.parallel.placement.resolve_placement`) for ``count``
+    models of one size; ``torch.device`` entries are taken as their strings."""
+    if count < 1:
+        raise ValueError(f"reference_devices count must be >= 1, got {count} models to place")
+    if isinstance(devices, str) and devices.lower() == "auto":
+        gpus = local_gpus()
+        return spread_by_size([1] * count, gpus) if gpus else [torch.device("cpu")] * count
+    if isinstance(devices, (list, tuple)):
+        devices = [str(entry) if isinstance(entry, torch.device) else entry for entry in devices]
+        if not devices:
+            raise ValueError("reference_devices must be 'auto', a device string or a non-empty list of them, got []")
+    return resolve_placement(devices, [None] * count, "reference_devices")
 
 
 def _frozen(model: Any, device: torch.device) -> Any:
@@ -61,14 +71,22 @@ def _frozen(model: Any, device: torch.device) -> Any:
     return model
 
 
+def _device_per_model(devices: Sequence[torch.device], count: int, what: str) -> Sequence[torch.device]:
+    if len(devices) < count:  # IndexError, as indexing the list did in the original
+        raise IndexError(f"{count} {what} but only {len(devices)} devices ({list(devices)}); give one device per model")
+    return devices
+
+
 def clone_reference_models(policy_models: Sequence[Any], *, devices: Sequence[torch.device]) -> list[Any]:
-    """A frozen copy of each policy model (its weights now), on the matching device."""
-    return [_frozen(copy.deepcopy(unwrap_model(model)), device) for model, device in zip(policy_models, devices)]
+    """A frozen copy of each policy model as given (its weights now), on ``devices[i]`` (extra devices unused)."""
+    devices = _device_per_model(devices, len(policy_models), "policy models")
+    return [_frozen(copy.deepcopy(model), device) for model, device in zip(policy_models, devices)]
 
 
 def load_reference_models_from_sources(model_sources: Sequence[str], *, devices: Sequence[torch.device],
                                        model_kwargs: Mapping[str, Any] | None = None) -> list[Any]:
-    """Each source (hub id or directory) loaded with ``from_pretrained(**model_kwargs)``, frozen, on its device."""
+    """Each source (hub id or directory) loaded with ``from_pretrained(**model_kwargs)``, frozen, on ``devices[i]``."""
+    devices = _device_per_model(devices, len(model_sources), "model sources")
     return [_frozen(AutoModelForCausalLM.from_pretrained(source, **dict(model_kwargs or {})), device)
             for source, device in zip(model_sources, devices)]
 
@@ -76,10 +94,10 @@ def load_reference_models_from_sources(model_sources: Sequence[str], *, devices:
 def response_token_logprobs(model: Any, sequences: torch.Tensor, attention_mask: torch.Tensor,
                             prompt_len: int, response_len: int) -> torch.Tensor:
     """Log-probability of each response token of ``sequences`` (prompt then response, ``[batch, length]``):
-    ``[batch, response_len]``, the tokens at positions ``prompt_len .. prompt_len + response_len - 1``."""
+    ``[batch, response_len]``, the tokens at positions ``prompt_len .. prompt_len + response_len - 1``
+    (float32, as the trainers' log-probabilities)."""
     logits = unwrap_model(model)(input_ids=sequences, attention_mask=attention_mask).logits
-    log_probs = torch.log_softmax(logits[:, :-1, :].float(), dim=-1)
-    token_log_probs = log_probs.gather(-1, sequences[:, 1:].unsqueeze(-1)).squeeze(-1)
+    token_log_probs = token_logprobs(logits[:, :-1, :].float(), sequences[:, 1:])
     start = max(int(prompt_len) - 1, 0)
     return token_log_probs[:, start:start + int(response_len)]
 

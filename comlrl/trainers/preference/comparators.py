@@ -43,6 +43,7 @@ from transformers import AutoTokenizer
 from comlrl.data import default_formatter, format_prompt
 from comlrl.models import entities, lora
 from comlrl.models.export import save_pretrained_models
+from comlrl.models.tokenizers import vocabulary
 from comlrl.parallel.device import resolve_device
 from comlrl.rollout.collaboration import as_adapter, build_adapter, split_completions
 from comlrl.rollout.episodes import RolloutSpec, rollout_episodes
@@ -84,8 +85,12 @@ def text_ids(tokenizer: Any, texts: Sequence[str], finished: Sequence[bool]) -> 
 
 
 def same_vocabulary(tokenizer: Any, other: Any) -> bool:
-    """Whether IDs sampled with ``other`` are the same tokens to ``tokenizer`` (same vocabulary and EOS)."""
-    return tokenizer is other or (eos_ids(tokenizer) == eos_ids(other) and tokenizer.get_vocab() == other.get_vocab())
+    """Whether IDs sampled with ``other`` are the same tokens to ``tokenizer`` (same vocabulary and EOS); a
+    tokenizer that does not tell its vocabulary (no ``get_vocab``) shares it only with itself."""
+    if tokenizer is other:
+        return True
+    mine = vocabulary(tokenizer)
+    return mine is not None and eos_ids(tokenizer) == eos_ids(other) and mine == vocabulary(other)
 
 
 def agent_ids(generation: Any, source_tokenizer: Any, agent_tokenizer: Any) -> list[list[int]]:

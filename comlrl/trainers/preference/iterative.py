@@ -37,12 +37,13 @@ from comlrl.trainers.preference.comparators import build_comparator
 from comlrl.trainers.inputs import TrainerInputs, Unpack
 from comlrl.trainers.preference.madpo import MADPOTrainer
 from comlrl.trainers.preference.madpo_config import MADPOIterConfig
+from comlrl.trainers.preference.reward_histogram import RewardHistogramNames
 from comlrl.trainers.preference.rounds import PbRLState, PreferenceRounds
 
 logger = logging.getLogger(__name__)
 
 
-class MADPOIterTrainer(PreferenceRounds):
+class MADPOIterTrainer(RewardHistogramNames, PreferenceRounds):
     config_class = MADPOIterConfig
     args: MADPOIterConfig
     STAGES = ("collect_preferences", "prepare_pairs", "learn_policy")

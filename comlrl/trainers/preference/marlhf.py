@@ -50,6 +50,7 @@ from comlrl.trainers.preference.config import MARLHFConfig
 from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows, pairwise_agreement
 from comlrl.trainers.preference.policy import critic_arguments, policy_classes, policy_config
 from comlrl.trainers.preference.iterative_config import options_of
+from comlrl.trainers.preference.reward_histogram import RewardHistogramNames
 from comlrl.trainers.preference.rounds import PbRLState, PreferenceRounds
 from comlrl.trainers.preference.stage import PreferenceStage
 
@@ -266,7 +267,7 @@ class MARLHFTrainer(PreferenceRounds):
         return metrics
 
 
-class MARLHFIterTrainer(MARLHFTrainer):
+class MARLHFIterTrainer(RewardHistogramNames, MARLHFTrainer):
     """``num_iterations`` rounds of collect -> fit -> policy; the reward model is reloaded from
     its source at the start of every fit. Each iteration's pairs are kept apart as its shard; with a
     MARLHFIterConfig the policy is compared against ``comparator_policy`` and the fit replays the
