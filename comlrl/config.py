@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
+INT64_LIMIT = 2**63  # integer fields reach torch, whose integers are int64
+
 
 def option(
     default: Any,
@@ -102,7 +104,18 @@ def _broken_rule(meta: dict, value: Any) -> str | None:
                 return f"must be >= {_number(low)}{or_none}"
         if high is not None and value > high:
             return f"must be <= {_number(high)}{or_none}"
+        if isinstance(value, int) and not -INT64_LIMIT <= value < INT64_LIMIT:
+            return "must fit in 64 bits (torch's int64: -2**63 to 2**63 - 1)"
     return None
+
+
+def _allowed_range(meta: dict, name: str) -> str:
+    """' (allowed: 0 <= seed <= 4294967295)' for a field bounded on both sides: the whole range, said after
+    the value seen."""
+    low, high = meta.get("min"), meta.get("max")
+    if low is None or high is None:
+        return ""
+    return f" (allowed: {_number(low)} {'<' if meta['min_exclusive'] else '<='} {name} <= {_number(high)})"
 
 
 def _check_field(owner: str, field: dataclasses.Field, value: Any) -> str | None:
@@ -114,13 +127,15 @@ def _check_field(owner: str, field: dataclasses.Field, value: Any) -> str | None
         return None if meta["optional"] else f"{where} must be set, got None"
     rule = _broken_rule(meta, value)
     if rule is not None:
+        bound = rule.startswith(("must be >", "must be <"))
+        seen = f"got {value!r}" + (_allowed_range(meta, field.name) if bound else "")
         # Lead with the original comlrl's words, so code that matches its messages still matches.
         if meta.get("says"):
-            return f"{meta['says']} ({where} {rule}, got {value!r})"
+            return f"{meta['says']} ({where} {rule}, {seen})"
         if meta["aliases"]:
             alias = meta["aliases"][0]
-            return f"{alias} {rule}, got {value!r} ({where}, which comlrl 1.4.3 named {alias})"
-        return f"{where} {rule}, got {value!r}"
+            return f"{alias} {rule}, {seen} ({where}, which comlrl 1.4.3 named {alias})"
+        return f"{where} {rule}, {seen}"
     supported = meta.get("supported")
     if supported is not None and not any(_same_value(value, ok) for ok in supported):
         allowed = ", ".join(repr(ok) for ok in supported)

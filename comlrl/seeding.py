@@ -8,8 +8,13 @@ from typing import Any
 import numpy as np
 import torch
 
+# numpy's legacy seeding (np.random.seed) takes 0 <= seed < 2**32; torch and random take more, so this is the
+# range of a seed every generator accepts. Configs refuse seeds outside it; derived seeds are folded into it.
+MAX_SEED = 2**32 - 1
+
 
 def set_seed(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global generators (0 <= seed <= MAX_SEED)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)

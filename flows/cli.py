@@ -27,6 +27,9 @@ from comlrl.executables import executable
 
 
 EXIT_TRACKING_UNREACHABLE = 75  # sysexits' EX_TEMPFAIL: try again once the MLflow server answers
+# Path options checked against the filesystem's limits before a command starts, with the bytes comlrl adds
+# below each (under --workdir: runs/<run id>/checkpoints/..., mlflow/artifacts/..., a few hundred at most).
+PATH_OPTIONS = {"workdir": ("--workdir", 512), "root": ("--root", 0)}
 
 
 def _load_spec(spec: str, root: str):
@@ -36,8 +39,25 @@ def _load_spec(spec: str, root: str):
     try:
         return load_spec(spec, root)
     except SpecError as error:
-        print(error, file=sys.stderr)
+        print(f"comlrl: {error}", file=sys.stderr)
         return None
+
+
+def _bad_path_option(args: argparse.Namespace) -> bool:
+    """Print why a path option cannot be used here (too long for the filesystem, a link loop, ...); whether one
+    could not."""
+    from flows.path_limits import checked_path
+
+    for name, (flag, reserve) in PATH_OPTIONS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        try:
+            checked_path(value, reserve=reserve, what=flag)
+        except ValueError as error:
+            print(f"comlrl: {flag}: {error}", file=sys.stderr)
+            return True
+    return False
 
 
 def _bad_run_id(run_id: str | None) -> bool:
@@ -264,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if _bad_path_option(args):
+        return 2
     return args.handler(args)
 
 

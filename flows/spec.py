@@ -31,15 +31,19 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 from comlrl.trainers.algorithms import ALGORITHMS
 from comlrl.imports import IMPORT_PATH, resolve_callable
+from comlrl.seeding import MAX_SEED
+from flows.path_limits import checked_path, os_error_problem, path_problem, shown
 from flows.spec_yaml import MAX_SPEC_BYTES, SpecYAMLError, read_spec_yaml
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+NAME_LENGTH = 63  # the longest NAME: the run directory <name>-<hash> stays far below any file-name limit
 DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 # Constructor arguments a spec may not set: they come from other sections.
 MANAGED_ARGUMENTS = {"self", "args", "reward_func", "reward_processor", "formatters", "external_transition",
@@ -57,8 +61,32 @@ class SpecError(ValueError):
     def __init__(self, source: str, problems: list[tuple[str, str]]) -> None:
         self.source = source
         self.problems = problems
+        if len(problems) == 1:  # one line: what a shell user reads first
+            path, message = problems[0]
+            super().__init__(f"invalid run spec {source}: {path + ': ' if path else ''}{message}")
+            return
         lines = "\n".join(f"  - {path or '(top level)'}: {message}" for path, message in problems)
         super().__init__(f"invalid run spec {source}: {len(problems)} problem(s)\n{lines}")
+
+
+def check_name(value: str) -> str:
+    """``value`` if it can be the run's name: it becomes a directory (``runs/<name>-<hash>``), the MLflow
+    experiment and the registered models' names, so it is a short portable file name; a ValueError otherwise."""
+    if re.fullmatch(NAME, value):
+        return value
+    odd = sorted({character for character in value if not re.fullmatch(r"[A-Za-z0-9._-]", character)})
+    if len(value) > NAME_LENGTH:
+        why = f"is longer than {NAME_LENGTH} characters"
+    elif odd:
+        why = f"contains {', '.join(repr(character) for character in odd)}"
+    else:
+        why = "is empty" if not value else f"starts with {value[0]!r}"
+    raise ValueError(f"{shown(value)} {why}: a name may hold only letters, digits, '.', '_' and '-', start with a "
+                     f"letter or digit, and be at most {NAME_LENGTH} characters (it names the run's directory, MLflow "
+                     f"experiment and registered models)")
+
+
+Name = Annotated[str, AfterValidator(check_name)]
 
 
 class Strict(BaseModel):
@@ -69,7 +97,7 @@ class TinyModel(Strict):
     architecture: Literal["llama", "gpt2"] = "llama"
     vocab_size: int = Field(96, ge=32, le=4096)
     hidden_size: int | None = Field(None, ge=8, le=1024)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class TinySource(Strict):
@@ -110,8 +138,8 @@ class CheckpointSpec(Strict):
 
 
 class RegistrySpec(Strict):
-    model_name: str | None = Field(None, pattern=NAME, description="Registered models are <model_name>-agent-<i>.")
-    alias: str = Field("candidate", pattern=NAME)
+    model_name: Name | None = Field(None, description="Registered models are <model_name>-agent-<i>.")
+    alias: Name = "candidate"
 
 
 class ExecutionSpec(Strict):
@@ -153,7 +181,7 @@ ImportPath = str  # checked by comlrl.imports.resolve_callable, so every bad pat
 
 
 class RunSpec(Strict):
-    name: str = Field(pattern=NAME, description="Run and MLflow experiment name.")
+    name: Name = Field(description="Run and MLflow experiment name.")
     algorithm: str
     models: dict[str, Union[ModelSource, list[ModelSource]]]
     dataset: DataSpec
@@ -195,7 +223,7 @@ def _where(location: tuple[Any, ...]) -> str:
 def data_path(value: str, root: Path) -> Path:
     """A dataset file under ``root/data``; ``..`` and absolute paths elsewhere are refused."""
     data_root = (root / "data").resolve()
-    path = (root / value).resolve() if not Path(value).is_absolute() else Path(value).resolve()
+    path = checked_path(value, root)
     if not path.is_relative_to(data_root):
         raise ValueError(f"{value!r} is outside the data directory {str(data_root)!r}")
     if path.suffix not in DATA_SUFFIXES:
@@ -211,6 +239,8 @@ def looks_like_a_path(value: Any) -> bool:
 
 def dataset_name(value: str, root: Path) -> str:
     """A hub dataset name; a path (which ``datasets.load_dataset`` would read from disk) is refused."""
+    if problem := path_problem(value, root, what="name"):  # looked up on disk below, so it must fit there
+        raise ValueError(problem)
     local = (value.startswith(("/", ".", "~")) or value.count("/") > 1 or "\\" in value
              or (root / value).exists() or Path(value).exists())
     if local:
@@ -226,8 +256,11 @@ def entry_point_paths(kwargs: dict[str, Any], root: Path) -> list[tuple[str, str
     problems = []
     for key, value in kwargs.items():
         if looks_like_a_path(value):
-            path = Path(value).expanduser()
-            path = (path if path.is_absolute() else root / path).resolve()
+            try:
+                path = checked_path(os.path.expanduser(value), root)
+            except ValueError as error:
+                problems.append((key, str(error)))
+                continue
             if not path.is_relative_to(data_root):
                 problems.append((key, f"{value!r} is outside the data directory {str(data_root)!r}"))
     return problems
@@ -237,7 +270,7 @@ def model_path_or_id(value: str, root: Path) -> str:
     """A local directory (relative to ``root``, kept inside it) or a hub identifier / registry URI."""
     if value.startswith("models:/"):
         return value
-    candidate = (root / value).resolve() if not Path(value).is_absolute() else Path(value).resolve()
+    candidate = checked_path(value, root)
     looks_local = value.startswith((".", "/", "~")) or candidate.exists()
     if looks_local:
         if not candidate.is_relative_to(root.resolve()):
@@ -378,6 +411,8 @@ def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
                     model_path_or_id(source, root)
                 except ValueError as error:
                     problems.append((where, str(error)))
+                except OSError as error:  # looking into the directory was refused (permissions, ...)
+                    problems.append((where, os_error_problem(source, error)))
     for split in ("train", "eval"):
         source = getattr(spec.dataset, split)
         if source is None:
@@ -397,6 +432,8 @@ def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
                 resolve_callable(source.entry_point, root)
         except ValueError as error:
             problems.append((where, str(error)))
+        except OSError as error:  # looking at the file was refused (permissions, ...)
+            problems.append((where, os_error_problem(source.path or source.name or "", error)))
     for field in ("reward", "reward_processor", "formatters", "transition"):
         value = getattr(spec, field)
         for index, path in enumerate(value if isinstance(value, list) else [value]):
@@ -436,7 +473,7 @@ def parse_spec(data: Any, source: str = "<spec>", root: str | Path = ".") -> Run
     try:
         spec = RunSpec.model_validate(data)
     except ValidationError as error:
-        problems = [(_where(item["loc"]), item["msg"]) for item in error.errors()]
+        problems = [(_where(item["loc"]), item["msg"].removeprefix("Value error, ")) for item in error.errors()]
         # Also report what the valid sections would have failed on, so one pass shows everything.
         partial = {key: value for key, value in data.items() if key in ("algorithm", "config") and isinstance(value, (str, dict))}
         if isinstance(partial.get("algorithm"), str) and partial["algorithm"] in ALGORITHMS and isinstance(partial.get("config", {}), dict):
@@ -455,13 +492,18 @@ def parse_spec(data: Any, source: str = "<spec>", root: str | Path = ".") -> Run
 def load_spec(path: str | Path, root: str | Path | None = None) -> RunSpec:
     """Read and validate a YAML run spec; relative paths in it are resolved against ``root``
     (default: the working directory), and dataset files must lie under ``root/data``."""
+    if problem := path_problem(str(path)):
+        raise SpecError("file", [("", problem)])
     path = Path(path)
-    if not path.is_file():
-        raise SpecError(str(path), [("", "file not found")])
-    if path.stat().st_size > MAX_SPEC_BYTES:
-        raise SpecError(str(path), [("", f"the file has {path.stat().st_size} bytes; a run spec is at most {MAX_SPEC_BYTES}")])
     try:
+        if not path.is_file():
+            raise SpecError(str(path), [("", "file not found")])
+        size = path.stat().st_size
+        if size > MAX_SPEC_BYTES:
+            raise SpecError(str(path), [("", f"the file has {size} bytes; a run spec is at most {MAX_SPEC_BYTES}")])
         data = read_spec_yaml(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise SpecError(str(path), [("", os_error_problem(str(path), error))]) from None
     except UnicodeDecodeError as error:
         raise SpecError(str(path), [("", f"not UTF-8 text: {error}")]) from None
     except SpecYAMLError as error:

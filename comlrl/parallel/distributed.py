@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from comlrl.parallel import sharding
-from comlrl.seeding import set_seed
+from comlrl.seeding import MAX_SEED, set_seed
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class DataParallel:
     def seed(self, seed: int, global_step: int) -> None:
         """Give each rank its own sampling stream (rank 0's RNG state is the one checkpoints keep)."""
         if self.enabled:
-            set_seed(seed + 1_000_003 * self.rank + 7919 * global_step)
+            set_seed((seed + 1_000_003 * self.rank + 7919 * global_step) % (MAX_SEED + 1))
 
 
 def check_launch() -> sharding.FSDPSettings | None:

@@ -10,6 +10,7 @@ from comlrl.config import ConfigBase, not_supported_yet, option
 from comlrl.parallel.placement import check_placement_format
 from comlrl.rollout.reward_calls import RewardCallPolicy
 from comlrl.rollout.sampling import BACKENDS
+from comlrl.seeding import MAX_SEED
 
 
 @dataclass
@@ -43,7 +44,8 @@ class RolloutConfig(ConfigBase):
     discount: float = option(1.0, "Discount of later turns' rewards in multi-turn returns.", min=0.0, max=1.0)
     external_prompt_passthrough: bool = option(False, "Use the transition's prompts as they are, without the formatters.")
     reward_weights: list | None = option(None, "Weights of several reward functions (None = all 1.0).", kind=list, optional=True)
-    seed: int = option(42, "Seed of data order, sampling and initialisation.", min=0)
+    seed: int = option(42, "Seed of data order, sampling and initialisation (0 to 2**32 - 1, the range numpy's "
+                       "seeding takes).", min=0, max=MAX_SEED)
     shuffle: bool = option(True, "Shuffle the rows of each epoch (seeded by seed and epoch).")
     logging_steps: int = option(1, "Send averaged metrics to callbacks every N steps.", min=1)
     eval_interval: int | None = option(None, "Evaluate on eval_dataset every N steps (None or 0 = only when asked).",
