@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = {
     "errors": 0, "callbacks": 0, "config": 0, "progress": 0, "data": 0, "seeding": 0, "imports": 0, "tiny": 0,
-    "executables": 0,
+    "executables": 0, "tokenizers": 0,
     "algorithms": 1, "parallel": 1, "checkpointing": 1, "tracking": 1, "tracking_spool": 1, "tracking_wandb": 1,
     "tasks": 1, "rollout": 2, "models": 3, "training": 4, "trainers": 5, "team_model": 5, "utils": 6,
 }

@@ -1,4 +1,4 @@
-"""Tokenizers by behaviour (comlrl.models.tokenizers): an object that is no transformers tokenizer but
+"""Tokenizers by behaviour (comlrl.tokenizers): an object that is no transformers tokenizer but
 provides the protocol trains; one that lacks a member is refused, naming it; the embedding check still
 reads the ids the object has."""
 
@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from comlrl.models.tokenizers import REQUIRED, missing_members, tokenizer_size
+from comlrl.tokenizers import REQUIRED, missing_members, tokenizer_size
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 ARGS = dict(num_agents=2, num_turns=1, num_generations=2, max_new_tokens=6, num_train_epochs=1,

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from comlrl.models.tokenizers import check_tokenizer, check_tokenizers
+from comlrl.tokenizers import check_tokenizer, check_tokenizers
 from comlrl.rollout.generation import token_text
 
 logger = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ def check_tokenizer_fits(model: PreTrainedModel, tokenizer: PreTrainedTokenizerB
     """Compatible means every id the trainer feeds the model has an embedding row: the base vocabulary
     and the special tokens in use. Other added tokens past the embeddings (transformers may add default
     special tokens when it reloads a tokenizer) are never fed, so they only warn. A tokenizer object that
-    does not tell its ``vocab_size`` or added tokens (:mod:`comlrl.models.tokenizers`) is checked on the
+    does not tell its ``vocab_size`` or added tokens (:mod:`comlrl.tokenizers`) is checked on the
     special ids it has."""
     rows = model.get_input_embeddings().num_embeddings
     name = model_name(model)

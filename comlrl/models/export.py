@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from comlrl.models.tokenizers import save_tokenizer
+from comlrl.tokenizers import save_tokenizer
 
 
 def save_pretrained_models(

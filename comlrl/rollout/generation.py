@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from comlrl.models.tokenizers import decode_rows
+from comlrl.tokenizers import decode_rows
 from comlrl.rollout.sampling import SamplingParams, decode
 
 logger = logging.getLogger(__name__)

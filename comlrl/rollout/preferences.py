@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 from datasets import Dataset, concatenate_datasets
 
-from comlrl.models.tokenizers import decode_rows
+from comlrl.tokenizers import decode_rows
 from comlrl.rollout.generation import Generation, encode_prompts
 
 PAIR_COLUMNS = ("iteration", "row_index", "prompt", "agent_prompts", "chosen", "rejected", "chosen_ids",

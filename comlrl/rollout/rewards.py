@@ -92,6 +92,27 @@ def _as_float(value: int | float) -> float:
         return math.inf
 
 
+_RANGE_SHAPE_ERROR = "reward_func.reward_range must be a two-item sequence: (minimum, maximum)."
+
+
+def resolve_reward_range(reward_func: Callable[..., Any]) -> tuple[float, float] | None:
+    """The ``(minimum, maximum)`` a reward callable declares in ``reward_range``, or ``None``.
+
+    Raises ``ValueError`` if the declaration is not two finite numbers with minimum < maximum.
+    """
+    declared = getattr(reward_func, "reward_range", None)
+    if declared is None:
+        return None
+    if isinstance(declared, (str, bytes)) or not isinstance(declared, Sequence) or len(declared) != 2:
+        raise ValueError(_RANGE_SHAPE_ERROR)
+    low, high = float(declared[0]), float(declared[1])
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError("reward_func.reward_range values must be finite.")
+    if not low < high:
+        raise ValueError("reward_func.reward_range minimum must be less than maximum.")
+    return low, high
+
+
 class JointReward:
     """Weighted sum of one or more reward functions, then the optional per-reward processor."""
 

@@ -28,7 +28,7 @@ from comlrl.parallel.placement import (AgentMap, devices_of, local_gpus, map_by_
 from comlrl.parallel.placement import private_tokenizers as private_copies
 from comlrl.errors import NonFiniteTrainingError
 from comlrl.models.export import save_pretrained_models
-from comlrl.models.tokenizers import tokenizer_size
+from comlrl.tokenizers import tokenizer_size
 from comlrl.rollout.rewards import JointReward
 from comlrl.rollout.episodes import Rollout, RolloutSpec, rollout_episodes, score_rollout
 from comlrl.rollout.generation import context_length

@@ -9,36 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 from collections.abc import Sequence
 from typing import Any, Callable, TypeVar
 
 import torch
 
-from comlrl.rollout.rewards import RewardCallPlan, plan_reward_call
+from comlrl.rollout.rewards import RewardCallPlan, plan_reward_call, resolve_reward_range
 
 RewardCallable = TypeVar("RewardCallable", bound=Callable[..., Any])
-
-_RANGE_SHAPE_ERROR = "reward_func.reward_range must be a two-item sequence: (minimum, maximum)."
-
-
-def resolve_reward_range(reward_func: Callable[..., Any]) -> tuple[float, float] | None:
-    """The ``(minimum, maximum)`` a reward callable declares in ``reward_range``, or ``None``.
-
-    Raises ``ValueError`` if the declaration is not two finite numbers with minimum < maximum.
-    """
-    declared = getattr(reward_func, "reward_range", None)
-    if declared is None:
-        return None
-    if isinstance(declared, (str, bytes)) or not isinstance(declared, Sequence) or len(declared) != 2:
-        raise ValueError(_RANGE_SHAPE_ERROR)
-    low, high = float(declared[0]), float(declared[1])
-    if not (math.isfinite(low) and math.isfinite(high)):
-        raise ValueError("reward_func.reward_range values must be finite.")
-    if not low < high:
-        raise ValueError("reward_func.reward_range minimum must be less than maximum.")
-    return low, high
-
 
 def set_reward_range(reward_func: RewardCallable, minimum: float, maximum: float) -> RewardCallable:
     """Attach ``reward_range = (minimum, maximum)`` to ``reward_func`` (validated) and return it."""

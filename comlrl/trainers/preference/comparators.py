@@ -43,7 +43,7 @@ from transformers import AutoTokenizer
 from comlrl.data import default_formatter, format_prompt
 from comlrl.models import entities, lora
 from comlrl.models.export import save_pretrained_models
-from comlrl.models.tokenizers import vocabulary
+from comlrl.tokenizers import vocabulary
 from comlrl.parallel.device import resolve_device
 from comlrl.rollout.collaboration import as_adapter, build_adapter, split_completions
 from comlrl.rollout.episodes import RolloutSpec, rollout_episodes

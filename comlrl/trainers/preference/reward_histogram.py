@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from comlrl.utils.reward_utils import resolve_reward_range
+from comlrl.rollout.rewards import resolve_reward_range
 
 NUM_BINS = 16
 

@@ -45,7 +45,7 @@ def check_tokenizer(tokenizer: Any, role: str) -> Any:
     if missing:
         raise ValueError(
             f"the tokenizer given for {role} ({type(tokenizer).__name__}) lacks {', '.join(missing)}: a tokenizer "
-            f"must provide {', '.join(REQUIRED)} (see comlrl.models.tokenizers); pass a transformers tokenizer "
+            f"must provide {', '.join(REQUIRED)} (see comlrl.tokenizers); pass a transformers tokenizer "
             "(AutoTokenizer.from_pretrained(...)) or an object with those members"
         )
     return tokenizer
