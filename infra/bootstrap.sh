@@ -4,7 +4,9 @@
 #   bash infra/bootstrap.sh test [args]   the test suite
 # The test job also installs the PostgreSQL stack (the `postgres` extra and, as root on Debian, the
 # postgresql package) for tests/test_production_stack.py; COMLRL_POSTGRES=1 asks for it with the demo
-# (bash infra/servers.sh start --postgres), COMLRL_POSTGRES=0 skips it for the tests.
+# (bash infra/servers.sh start --postgres), COMLRL_POSTGRES=0 skips it for the tests. It also installs the
+# browser of tests/test_ui_browser.py (the `browser` extra and, as root on Debian, chromium and chromium-driver);
+# COMLRL_BROWSER=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,8 +15,10 @@ PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.comlrl-installed"
 job="${1:-demo}"
 if [[ "$job" == test ]]; then POSTGRES="${COMLRL_POSTGRES:-1}"; else POSTGRES="${COMLRL_POSTGRES:-0}"; fi
+if [[ "$job" == test ]]; then BROWSER="${COMLRL_BROWSER:-1}"; else BROWSER=0; fi
 EXTRAS="pipeline,lora,test"
 [[ "$POSTGRES" != 1 ]] || EXTRAS+=",postgres"
+[[ "$BROWSER" != 1 ]] || EXTRAS+=",browser"
 WANT="$(sha256sum pyproject.toml | cut -d' ' -f1) $EXTRAS"
 
 # PostgreSQL itself (initdb, pg_ctl, psql) when it is missing, in Debian's /usr/lib/postgresql/N/bin where
@@ -28,6 +32,19 @@ if [[ "$POSTGRES" == 1 ]] && ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/d
     else
         echo "PostgreSQL is not installed and this is not root with apt-get: install it (e.g. apt-get install" \
              "postgresql) or tests/test_production_stack.py is skipped" >&2
+    fi
+fi
+
+# Debian's Chromium and its driver (the test passes both paths to Selenium; no browser is downloaded).
+if [[ "$BROWSER" == 1 ]] && ! { command -v chromium && command -v chromedriver; } >/dev/null; then
+    if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "installing Chromium (apt-get install chromium chromium-driver) for the browser test of the UIs"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            chromium chromium-driver >/dev/null; } || echo "apt-get could not install chromium: tests/test_ui_browser.py" \
+            "is skipped" >&2
+    else
+        echo "Chromium is not installed and this is not root with apt-get: install it (e.g. apt-get install" \
+             "chromium chromium-driver) or tests/test_ui_browser.py is skipped" >&2
     fi
 fi
 
