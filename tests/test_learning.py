@@ -94,8 +94,13 @@ def held_out_rise(kind: str, model: str, seed: int) -> float:
     return held_out_reward(trainer) - before
 
 
+# The preference pipelines' learning runs take minutes: they are in the end-to-end tier (README, "Tests").
+E2E_KINDS = ("marlhf", "marlhf_iter")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", list(MARGINS))
+@pytest.mark.parametrize("kind", [pytest.param(kind, marks=pytest.mark.e2e) if kind in E2E_KINDS else kind
+                                  for kind in MARGINS])
 def test_trainer_learns(kind, tiny_llama):
     rises = {seed: held_out_rise(kind, tiny_llama, seed) for seed in KIND_SEEDS.get(kind, SEEDS)}
     assert statistics.median(rises.values()) >= MARGINS[kind], (

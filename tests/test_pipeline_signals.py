@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 from comlrl.tasks.letters import write_dataset
 from letters_spec import letters_spec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 STEPS_PER_EPOCH = 12  # 24 rows, batch 2
 FLAKY_REWARD = '''

@@ -3,7 +3,8 @@ server and an MLflow tracking server on loopback, two flow runs train against th
 weak one, learning rate 1e-9, then a real one), and the tests ask both servers' APIs what an
 operator would look at: subflows and their names, Prefect artifacts, the MLflow eval curve,
 plot, spec and tags, model signatures, the champion/challenger gate, the team model loaded from
-the registry and served over HTTP. The console pieces of the demo are checked without servers.
+the registry and served over HTTP (the end-to-end tier, marker ``e2e``). The console pieces of the demo
+are checked without servers.
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ def artifacts_of(servers, flow_run_ids: list[str], kind: str, timeout: float = 3
         time.sleep(0.5)
 
 
+@pytest.mark.e2e
 def test_each_boundary_is_a_subflow_named_after_it_with_a_few_named_tasks(runs, servers):
     children = subflows(servers, runs["flow_run_id"])
     assert [run["name"] for run in children] == ["epoch 1 of 2", "epoch 2 of 2"]
@@ -169,6 +171,7 @@ def test_each_boundary_is_a_subflow_named_after_it_with_a_few_named_tasks(runs, 
     assert all(name.split(": ")[1].startswith("rollout, score") for name in names if " · step " in name)
 
 
+@pytest.mark.e2e
 def test_the_run_publishes_progress_table_link_and_summary_artifacts(runs, servers):
     family = [runs["flow_run_id"], *(run["id"] for run in subflows(servers, runs["flow_run_id"]))]
     [progress] = artifacts_of(servers, family, "progress")
@@ -196,6 +199,7 @@ def test_the_run_publishes_progress_table_link_and_summary_artifacts(runs, serve
     assert "promoted to **champion**" in markdown["ux-strong-gate"]
 
 
+@pytest.mark.e2e
 def test_mlflow_has_the_eval_curve_the_plot_the_resolved_spec_and_the_flow_run(runs, servers):
     from mlflow.tracking import MlflowClient
 
@@ -218,6 +222,7 @@ def test_mlflow_has_the_eval_curve_the_plot_the_resolved_spec_and_the_flow_run(r
     assert tags["prefect.flow_run_url"].startswith(servers["PREFECT_API_URL"].removesuffix("/api"))
 
 
+@pytest.mark.e2e
 def test_every_registered_model_has_a_signature_and_an_input_example(runs, servers):
     import mlflow
 
@@ -229,6 +234,7 @@ def test_every_registered_model_has_a_signature_and_an_input_example(runs, serve
     assert [column.name for column in team.signature.outputs.inputs] == ["agent_0", "agent_1"]
 
 
+@pytest.mark.e2e
 def test_the_gate_promotes_a_better_team_and_keeps_the_champion_against_a_worse_one(runs, servers):
     from mlflow.tracking import MlflowClient
 
@@ -254,6 +260,7 @@ def test_the_gate_promotes_a_better_team_and_keeps_the_champion_against_a_worse_
     assert float(tags["comlrl.gate.candidate_score"]) < float(tags["comlrl.gate.champion_score"])
 
 
+@pytest.mark.e2e
 def test_the_champion_team_loads_from_the_registry_and_generates(runs, servers):
     import mlflow
     import pandas
@@ -267,6 +274,7 @@ def test_the_champion_team_loads_from_the_registry_and_generates(runs, servers):
     assert again.equals(answers)
 
 
+@pytest.mark.e2e
 def test_the_team_model_is_served_over_http(runs, servers, tmp_path):
     import mlflow
     import pandas
@@ -300,6 +308,7 @@ def test_the_team_model_is_served_over_http(runs, servers, tmp_path):
     assert served == local.to_dict(orient="records")
 
 
+@pytest.mark.e2e
 def test_promote_refuses_a_candidate_the_gate_kept_out_unless_forced(runs, servers, monkeypatch, capsys):
     from mlflow.tracking import MlflowClient
 
@@ -319,6 +328,7 @@ def test_promote_refuses_a_candidate_the_gate_kept_out_unless_forced(runs, serve
         assert str(client.get_model_version_by_alias(entry["name"], "champion").version) == entry["version"]
 
 
+@pytest.mark.e2e
 def test_library_use_is_not_silenced(runs):
     """Flow runs in library use (the runs above) leave the console as it was: no handler on the
     progress records, standard error not filtered."""

@@ -88,6 +88,7 @@ def project(tmp_path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_a_prefect_outage_ends_the_process_in_bounded_time_and_resume_finishes_the_run(project, tmp_path):
     home = tmp_path / "prefect-server"
     home.mkdir()

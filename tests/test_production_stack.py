@@ -41,6 +41,7 @@ def postgres_installed() -> bool:
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.e2e,
     pytest.mark.skipif(not postgres_installed(), reason="PostgreSQL is not installed (apt-get install postgresql; "
                        "bash infra/bootstrap.sh test does it as root)"),
 ]

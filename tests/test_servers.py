@@ -22,7 +22,7 @@ import yaml
 from comlrl.tasks.letters import write_dataset
 from letters_spec import letters_spec
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parent.parent
 

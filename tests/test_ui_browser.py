@@ -35,7 +35,7 @@ from flows.boundaries import primary_eval
 from letters_spec import letters_spec
 from test_servers import ROOT, free_port, get_json
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver") or next(
