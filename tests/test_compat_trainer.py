@@ -61,7 +61,8 @@ def test_checkpoint_total_limit_keeps_newest_and_the_resumed_one(tiny_llama, tmp
     first = build(tiny_llama, rows(1), config=dict(num_train_epochs=2))
     # The pipeline's way (keyword dict, our save_total_limit) keeps working, equal values under both names too.
     first.train(**{"checkpoint_dir": tmp_path, "save_total_limit": 2, "checkpoint_total_limit": 2})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2"]
+    # beside the checkpoints: the run's appended per-step history (comlrl.checkpointing.history)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2", "history"]
 
     resumed = build(tiny_llama, rows(1), config=dict(num_train_epochs=4))
     resumed.train(resume_from_checkpoint=tmp_path / "checkpoint-1", checkpoint_dir=tmp_path,
