@@ -6,7 +6,8 @@ import random
 from typing import Any
 
 import numpy as np
-import torch
+
+# torch is imported where it is used: MAX_SEED is read by spec validation, which should not pay for torch.
 
 # numpy's legacy seeding (np.random.seed) takes 0 <= seed < 2**32; torch and random take more, so this is the
 # range of a seed every generator accepts. Configs refuse seeds outside it; derived seeds are folded into it.
@@ -15,6 +16,8 @@ MAX_SEED = 2**32 - 1
 
 def set_seed(seed: int) -> None:
     """Seed Python's, numpy's and torch's global generators (0 <= seed <= MAX_SEED)."""
+    import torch
+
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -23,6 +26,8 @@ def set_seed(seed: int) -> None:
 def capture_rng_state() -> dict[str, Any]:
     """Python, numpy, torch CPU and CUDA generator states, as tensors and plain numbers only
     (so the file loads with ``torch.load(..., weights_only=True)``)."""
+    import torch
+
     version, internal, gauss = random.getstate()
     kind, keys, position, has_gauss, cached = np.random.get_state()
     state = {
@@ -41,6 +46,8 @@ def capture_rng_state() -> dict[str, Any]:
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
+    import torch
+
     python = state["python"]
     random.setstate((python["version"], tuple(int(x) for x in python["internal"].tolist()), python["gauss"]))
     numpy_state = state["numpy"]

@@ -62,7 +62,7 @@ def _bad_path_option(args: argparse.Namespace) -> bool:
 
 def _bad_run_id(run_id: str | None) -> bool:
     """Print why ``run_id`` is refused (before anything starts); whether it was."""
-    from flows.runs import check_run_id
+    from flows.spec import check_run_id  # light: a bad run id is refused before torch is imported
 
     try:
         if run_id is not None:

@@ -15,13 +15,12 @@ Layout under the working directory (default ``.comlrl/``)::
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from comlrl.checkpointing.lock import DirectoryLock, DirectoryLockedError
-from flows.spec import NAME, RunSpec, spec_hash
+from flows.spec import RunSpec, check_run_id, spec_hash
 
 
 def default_tracking_uri(workdir: str | Path) -> str:
@@ -123,14 +122,6 @@ def claim_run(run: RunPaths) -> RunLock:
         raise RuntimeError(f"run {run.run_id!r} is being trained by another process (it holds {lock.path}); "
                            "wait for it to end, or give this run another run_id")
     return lock
-
-
-def check_run_id(run_id: str) -> None:
-    """A ``ValueError`` unless ``run_id`` is a safe directory name: letters, digits, '.', '_', '-', at most 128,
-    not starting with '.' or '-' (so never '..', a path or an option)."""
-    if not re.fullmatch(NAME.replace("{0,62}", "{0,127}"), run_id):
-        raise ValueError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-', start with a letter "
-                         f"or digit, and be at most 128 characters long")
 
 
 def default_run_id(spec: RunSpec) -> str:

@@ -86,6 +86,14 @@ def check_name(value: str) -> str:
                      f"experiment and registered models)")
 
 
+def check_run_id(run_id: str) -> None:
+    """A ``ValueError`` unless ``run_id`` is a safe directory name: letters, digits, '.', '_', '-', at most 128,
+    not starting with '.' or '-' (so never '..', a path or an option)."""
+    if not re.fullmatch(NAME.replace("{0,62}", "{0,127}"), run_id):
+        raise ValueError(f"run id {run_id!r} may hold only letters, digits, '.', '_' and '-', start with a letter "
+                         f"or digit, and be at most 128 characters long")
+
+
 Name = Annotated[str, AfterValidator(check_name)]
 
 
