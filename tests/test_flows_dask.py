@@ -17,7 +17,7 @@ from comlrl.checkpointing import read_history
 from flows.spec import ExecutionSpec, SpecError, load_spec, parse_spec, spec_hash
 from test_flows import SPEC, STEPS_PER_EPOCH, pipeline, project, task_run_names, write_spec  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 NUM_AGENTS = SPEC["config"]["num_agents"]
 CONFIG = {**SPEC["config"], "num_train_epochs": 1}
