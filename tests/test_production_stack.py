@@ -7,7 +7,9 @@ The first run, triggered by hand, finds no champion: it trains the spec's models
 second is a slot of a short interval schedule added beside the file's daily cron, picked up by the worker when
 due; it trains from that champion (the registered versions), and the gate compares it with that champion. A run
 triggered while that one runs is Cancelled by the deployment's concurrency limit (one retraining at a time). The
-runs' records are read back from PostgreSQL itself, so a server that fell back to SQLite would fail here.
+runs' records are read back from PostgreSQL itself, so a server that fell back to SQLite would fail here. The
+champion is then served with docs/pipeline.md's `mlflow models serve` command, read from the doc and run as
+printed there against this MLflow server.
 The deployment is the file's as is; each run only overrides its parameters (a tiny spec, a temp workdir).
 """
 
@@ -16,22 +18,27 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 from comlrl.tasks.letters import write_dataset
 from comlrl.tracking import RUN_KEY_TAG
 from letters_spec import letters_spec
-from test_servers import ROOT, get_json, started_servers
+from test_printed_commands import block_commands
+from test_servers import ROOT, free_port, get_json, started_servers
 
 
 def postgres_installed() -> bool:
@@ -108,7 +115,7 @@ def stack():
                 prefect(env, "--no-prompt", "deploy", "--prefect-file", "infra/prefect.yaml", "--all")
                 yield {"api": exports["PREFECT_API_URL"], "tracking_uri": exports["MLFLOW_TRACKING_URI"],
                        "project": project, "base": base, "worker": worker,
-                       "database": postgres_settings(base / "services" / "postgres.env")}
+                       "env": env, "database": postgres_settings(base / "services" / "postgres.env")}
             finally:
                 worker.stop()
     finally:
@@ -247,6 +254,71 @@ def test_the_first_run_becomes_champion_and_the_second_trains_from_it_through_th
     assert second_tags["comlrl.gate.decision"] in ("promoted", "kept champion")
     champion = client.get_model_version_by_alias(f"{SPEC_NAME}-team", "champion")
     assert champion.version == (second_version if promoted else first_version)
+
+
+def documented_serving(tracking_uri: str, model: str, port: int) -> tuple[str, dict]:
+    """docs/pipeline.md's serve command against this MLflow server (its MLFLOW_TRACKING_URI, as the doc says),
+    for ``model`` on ``port``, and the request body of the documented curl beside it."""
+    commands = [command.text for command in block_commands(ROOT / "docs" / "pipeline.md",
+                                                            (ROOT / "docs" / "pipeline.md").read_text())]
+    [serve] = [text for text in commands if " models serve " in text]
+    [curl] = [text for text in commands if text.startswith("curl ") and "/invocations" in text]
+    venv_bin = os.path.relpath(Path(sys.executable).parent, ROOT)  # .venv/bin in a checkout set up as documented
+    serve = re.sub(r"MLFLOW_TRACKING_URI=\S+", f"MLFLOW_TRACKING_URI={tracking_uri}", serve)
+    serve = re.sub(r"models:/[\w.-]+@champion", f"models:/{model}@champion", serve.replace(".venv/bin", venv_bin))
+    serve, replaced = re.subn(r"-p \d+$", f"-p {port}", serve)
+    assert replaced == 1, serve
+    arguments = shlex.split(curl)
+    return serve, json.loads(arguments[arguments.index("-d") + 1])
+
+
+def served_model_path(server: subprocess.Popen) -> Path:
+    """The local copy of the model the scoring server loaded: MLflow downloads the model URI, then starts
+    uvicorn with that directory in its environment (``__pyfunc_model_path__``, a file: URI)."""
+    for process in psutil.Process(server.pid).children(recursive=True) + [psutil.Process(server.pid)]:
+        path = process.environ().get("__pyfunc_model_path__")
+        if path:
+            return Path(path.removeprefix("file://"))
+    raise AssertionError("no scoring server process with __pyfunc_model_path__ under the serve command")
+
+
+def test_the_champion_team_is_served_over_http_with_the_documented_command(stack, runs, tmp_path):
+    import mlflow
+    import pandas
+    from mlflow.tracking import MlflowClient
+
+    champion = MlflowClient(stack["tracking_uri"]).get_model_version_by_alias(f"{SPEC_NAME}-team", "champion")
+    port = free_port()
+    command, request = documented_serving(stack["tracking_uri"], f"{SPEC_NAME}-team", port)
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as output:
+        server = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=stack["env"], stdout=output,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2):
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, f"{command}\n{log.read_text()[-3000:]}"
+                time.sleep(1)
+        loaded = yaml.safe_load((served_model_path(server) / "MLmodel").read_text())
+        served = get_json(f"http://127.0.0.1:{port}/invocations", request)["predictions"]
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    # The server loaded the version the alias names: the logged model that version was registered from (its
+    # source names it: flows/registry.py registers models:/<model id>) and the run that logged it.
+    assert loaded["model_id"] in champion.source and loaded["run_id"] == champion.run_id, (loaded, champion)
+    assert [sorted(answer) for answer in served] == [["agent_0", "agent_1"]] * len(request["dataframe_records"])
+    assert all(isinstance(text, str) and text for answer in served for text in answer.values()), served
+    # ... and answers as that version does, loaded here with the request's seed.
+    mlflow.set_tracking_uri(stack["tracking_uri"])
+    local = mlflow.pyfunc.load_model(f"models:/{SPEC_NAME}-team/{champion.version}").predict(
+        pandas.DataFrame(request["dataframe_records"]), params=request["params"])
+    assert served == local.to_dict(orient="records")
 
 
 def test_the_runs_are_logged_in_the_postgresql_backed_mlflow(stack, runs):
