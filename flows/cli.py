@@ -80,12 +80,14 @@ def run(args: argparse.Namespace) -> int:
     if (spec := _load_spec(args.spec, root)) is None:
         return 2
     configure(args.workdir)
+    from flows.console import attach_bar
     from flows.orchestrator import exit_if_unreachable
     from flows.runs import default_run_id
     from flows.training import training_flow
 
     # For messages only: with --init-from the flow derives the default run id from the pinned spec.
     run_id = args.run_id or ("RUN_ID" if args.init_from else default_run_id(spec))
+    attach_bar()  # a terminal gets a progress bar (steps, reward, elapsed, time left); logs get none
     try:
         state = training_flow(spec)(spec_path=str(Path(args.spec).resolve()), run_id=args.run_id,
                                     workdir=args.workdir, root=root, init_from_alias=args.init_from,

@@ -1,7 +1,8 @@
 """The demo's console: one progress bar, one line per boundary, the gate's verdict; noise silenced.
 
 Only ``comlrl demo`` installs it (:func:`install`), and ``--verbose`` leaves the console as the
-libraries make it. Library use and ``comlrl run`` are never silenced. What it silences:
+libraries make it. Library use and ``comlrl run`` are never silenced; ``comlrl run``/``resume`` draw the
+same bar on a terminal (:func:`attach_bar`). What the demo silences:
 
 - third-party progress bars (Hugging Face's "Loading weights", "Writing model shards",
   ``datasets``' "Generating train split"): ``HF_HUB_DISABLE_PROGRESS_BARS`` /
@@ -116,6 +117,32 @@ class ProgressConsole(logging.Handler):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def attach_bar(stream: TextIO | None = None) -> ProgressConsole | None:
+    """For ``comlrl run``/``resume``: the progress bar and boundary lines on ``stream`` (standard error) when
+    it is a terminal, beside every log line as before (nothing is silenced, the records still reach the
+    flow-run log); nothing when it is not a terminal (a log file, a worker's output, a pipe)."""
+    stream = stream if stream is not None else sys.stderr
+    if not stream.isatty():
+        return None
+    console = ProgressConsole(stream)
+    progress = logging.getLogger("flows.progress")
+    progress.addHandler(console)
+    progress.addHandler(_Propagate())  # INFO and up go on as before; the per-step DEBUG records feed the bar only
+    progress.setLevel(logging.DEBUG)
+    progress.propagate = False
+    return console
+
+
+class _Propagate(logging.Handler):
+    """Hands ``flows.progress`` records of INFO and above to the parent logger, as propagation would."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("flows").handle(record)
 
 
 def install(verbose: bool) -> ProgressConsole | None:
