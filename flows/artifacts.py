@@ -18,18 +18,26 @@ import urllib.parse
 from typing import Any, Callable, Sequence
 
 from comlrl.tracking import is_local_store
+from flows import orchestrator
 
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"
 logger = logging.getLogger(__name__)
 
 
 def best_effort(publish: Callable[..., Any], *args: Any) -> Any:
-    """Call an artifact publisher; an unreachable Prefect API costs the artifact (one warning), never the run."""
+    """Call an artifact publisher; a failure costs the artifact (one warning), never the run. A server that
+    does not answer records an outage (:func:`flows.orchestrator.record_outage`, reported once by the run),
+    after which nothing is published."""
+    if orchestrator.outage() is not None:
+        return None
     try:
         return publish(*args)
     except Exception as error:
-        logger.warning("could not publish the Prefect artifact (%s: %s); the run goes on without it",
-                       getattr(publish, "__name__", publish), error)
+        if orchestrator.unanswered(error):  # no more artifacts are tried; the run reports the outage once
+            orchestrator.record_outage(error)
+        else:
+            logger.warning("could not publish the Prefect artifact (%s: %s); the run goes on without it",
+                           getattr(publish, "__name__", publish), error)
         return None
 
 
@@ -60,13 +68,14 @@ class BackgroundPublisher:
             context.run(best_effort, publish, *args)
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Publish what was submitted (at most ``timeout`` seconds); whether everything was."""
+        """Publish what was submitted (at most ``timeout`` seconds, none during an outage); whether everything was."""
         if not self.closed:
             self.closed = True
             self._queue.put(None)
-        self._thread.join(timeout)
+        self._thread.join(0 if orchestrator.outage() else timeout)
         if self._thread.is_alive():
-            logger.warning("Prefect artifacts not published within %.0f s were dropped", timeout)
+            if orchestrator.outage() is None:  # an outage is reported once, when the run ends
+                logger.warning("Prefect artifacts not published within %.0f s were dropped", timeout)
             return False
         return True
 

@@ -1,15 +1,23 @@
-"""The Prefect server as a dependency that can go away mid-run: bounded waits and a bounded exit.
+"""The Prefect server as a dependency that can go away or hang mid-run: bounded waits and a bounded exit.
 
 Once a flow run has started, training goes on without the Prefect server: task-run states travel
 as events that Prefect's ``EventsWorker`` queues in memory, boundary records live in local result
 storage and checkpoints on disk, so a run whose server dies still reaches its last boundary. What
-waits on the server is its API calls, each retried with exponential backoff (about a minute with
-Prefect's defaults; the flow run's final state is one of them), and, at interpreter exit,
-Prefect's hook that sends every queued event and log record, which never gives up (each event is
-retried for about seven seconds and a long run queues thousands). The CLI bounds both:
+waits on the server is its API calls (a boundary subflow's start and end, artifacts, the flow
+run's final state) and, at interpreter exit, Prefect's hook that sends every queued event and log
+record, which never gives up (each event is retried for about seven seconds and a long run queues
+thousands). A server that hangs (accepts connections, never answers) makes every call wait for its
+whole timeout, so the deadlines are what bound a run:
 
-- :func:`bound_client_waits` (called before Prefect is imported) sets ``PREFECT_CLIENT_MAX_RETRIES``
-  and ``PREFECT_API_REQUEST_TIMEOUT`` (:data:`CLIENT_BOUNDS`) unless the environment sets them;
+- :func:`bound_client_waits` (called before Prefect is imported) sets ``PREFECT_API_REQUEST_TIMEOUT``
+  (seconds one request may take) and ``PREFECT_CLIENT_MAX_RETRIES`` (:data:`CLIENT_BOUNDS`) unless
+  the environment sets them: one call to a server that never answers gives up after two timeouts
+  and Prefect's 2 s backoff, about 22 s with the defaults (Prefect's own: 60 s and 5 retries);
+- the first call that gets no answer (:func:`unanswered`: no connection, or none in time), or a health
+  check before a boundary (:func:`answers`) that gets none within one request timeout, records an
+  outage for the rest of the run (:func:`record_outage`): the remaining boundaries run inside the flow
+  run, without subflows, and artifacts are skipped, so training waits on a hung server for at most
+  one call;
 - :func:`exit_if_unreachable`, after the flow, asks the server's ``/health``; when it does not
   answer, Prefect's own ``QueueService.drain_all(timeout=...)`` gets ``drain_timeout`` seconds for
   the queued events and logs, what is left is dropped with one warning, and the process ends at
@@ -34,9 +42,10 @@ from typing import Any
 from comlrl.executables import executable
 
 EXIT_ORCHESTRATOR_UNREACHABLE = 69  # sysexits' EX_UNAVAILABLE: a service the command needs is down
-# One retry (after about 2 s) rides out a dropped connection; during an outage every API call of
-# the flow (state changes, artifacts) then costs about 2 s instead of Prefect's default minute.
-CLIENT_BOUNDS = {"PREFECT_CLIENT_MAX_RETRIES": "1", "PREFECT_API_REQUEST_TIMEOUT": "30"}
+# One retry (after about 2 s) rides out a dropped connection or a locked database; a request gets
+# 10 s (Prefect's default: 60), so a call to a server that accepts connections but never answers
+# gives up after about 22 s, and one to a server that is gone after about 2 s.
+CLIENT_BOUNDS = {"PREFECT_CLIENT_MAX_RETRIES": "1", "PREFECT_API_REQUEST_TIMEOUT": "10"}
 DRAIN_TIMEOUT = 10.0  # seconds for Prefect's queued events and logs once the server is found down
 RECORDER_WAIT = 1.0  # seconds a boundary subflow waits at most for the server to record the task before it
 
@@ -48,9 +57,67 @@ def bound_client_waits() -> dict[str, str]:
     return applied
 
 
+def request_timeout() -> float:
+    """Seconds one request to the Prefect API may take (``PREFECT_API_REQUEST_TIMEOUT``), health checks included."""
+    from prefect.settings import PREFECT_API_REQUEST_TIMEOUT
+
+    return float(PREFECT_API_REQUEST_TIMEOUT.value())
+
+
+# Why this run stopped calling the Prefect server (None while it answers). Per process, like Prefect's
+# client and its settings; a new run (clear_outage) starts by trusting the server again.
+_outage: str | None = None
+
+
+def outage() -> str | None:
+    """Why the server was found not answering during this run (None: no outage seen)."""
+    return _outage
+
+
+def record_outage(cause: BaseException | str) -> None:
+    """Stop calling the Prefect server for the rest of the run (the first cause is kept; the run says what
+    it does without the server, and :func:`exit_if_unreachable` what to do)."""
+    global _outage
+    if _outage is None:
+        _outage = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else cause
+
+
+def unanswered(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error that caused it, says the server gave no answer (no connection, or
+    none in time) rather than an answer it did not like (an HTTP error status)."""
+    import httpx
+
+    for _ in range(10):  # a chain of causes, not a cycle
+        if error is None:
+            return False
+        if isinstance(error, (httpx.TransportError, OSError)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def clear_outage() -> None:
+    """Trust the server again: a new run starts here."""
+    global _outage
+    _outage = None
+
+
+def answers() -> bool:
+    """Whether the run may call the Prefect server: no outage recorded, and ``/health`` answers within
+    :func:`request_timeout` (no server configured: True). A server that does not is recorded down."""
+    if _outage is not None:
+        return False
+    api_url = os.environ.get("PREFECT_API_URL")
+    if not api_url or reachable(api_url, request_timeout()):
+        return True
+    record_outage(f"no answer from {api_url.rstrip('/')}/health within {request_timeout():g} s")
+    return False
+
+
 def await_task_recorded(task_run_id: Any, timeout: float = RECORDER_WAIT, poll: float = 0.02) -> bool:
     """Wait until the Prefect API shows task run ``task_run_id`` in a final state, at most ``timeout``
-    seconds; whether it does (False also when the API cannot be asked).
+    seconds; whether it does (False also when the API cannot be asked; one that does not answer is
+    recorded down, :func:`record_outage`).
 
     Task-run states reach a Prefect 3 server as events, which its task-run recorder writes to the
     database a moment later. A subflow started while the recorder is still writing has its first
@@ -76,7 +143,9 @@ def await_task_recorded(task_run_id: Any, timeout: float = RECORDER_WAIT, poll: 
                 if time.monotonic() + poll > deadline:
                     return False
                 time.sleep(poll)
-    except Exception:  # an unreachable server: the subflow's own start decides what happens next
+    except Exception as error:
+        if unanswered(error):  # no subflow is started
+            record_outage(error)
         return False
 
 
@@ -119,7 +188,7 @@ def crash_stale_flow_runs(run_id: str, flow_run_id: Any, flow_run_name: str,
     return marked
 
 
-def reachable(api_url: str, timeout: float = 3.0) -> bool:
+def reachable(api_url: str, timeout: float) -> bool:
     """Whether the Prefect API at ``api_url`` answers its health check within ``timeout`` seconds."""
     try:
         with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=timeout) as response:
@@ -145,11 +214,11 @@ def _drain_prefect_services(timeout: float) -> int:
 def exit_if_unreachable(run_id: str, workdir: str, error: BaseException | None = None,
                         drain_timeout: float = DRAIN_TIMEOUT) -> None:
     """Return when no Prefect server is configured or it answers; otherwise end the process with
-    :data:`EXIT_ORCHESTRATOR_UNREACHABLE` after at most 3 s (the health check) + ``drain_timeout``
-    (+ what is left of the drain timeout of an MLflowCallback still open), with one warning saying
+    :data:`EXIT_ORCHESTRATOR_UNREACHABLE` after at most :func:`request_timeout` (the health check) +
+    ``drain_timeout`` (+ what is left of the drain timeout of an MLflowCallback still open), with one warning saying
     what was dropped and how to resume ``run_id``."""
     api_url = os.environ.get("PREFECT_API_URL")
-    if not api_url or reachable(api_url):
+    if not api_url or reachable(api_url, request_timeout()):
         return
     from comlrl import tracking
 
@@ -157,7 +226,8 @@ def exit_if_unreachable(run_id: str, workdir: str, error: BaseException | None =
     started = time.monotonic()
     left = _drain_prefect_services(drain_timeout)
     dropped = "its queued events and logs" if left < 0 else f"{left} queued Prefect events and log records"
-    cause = f" ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})" if error else ""
+    why = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}" if error else outage()
+    cause = f" ({why[:300]})" if why else ""
     run = Path(workdir) / "runs" / run_id
     if (run / "spec.yaml").is_file():
         then = (f"Training state is safe: every completed boundary's checkpoint is under {run / 'checkpoints'}. "

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from comlrl.callbacks import TrainerCallback
+from flows import orchestrator
 
 logger = logging.getLogger("flows.progress")
 
@@ -54,14 +55,16 @@ class ProgressArtifact:
         from prefect.artifacts import update_progress_artifact
 
         value = self._value
-        if value is None or value == self._sent:
+        if value is None or value == self._sent or orchestrator.outage() is not None:
             return
         try:
             update_progress_artifact(self.artifact_id, value)
             self._sent = value
         except Exception as error:  # the UI's progress is not worth failing a run for
             self.errors += 1
-            if self.errors == 1:
+            if orchestrator.unanswered(error):  # the run reports the outage once
+                orchestrator.record_outage(error)
+            elif self.errors == 1:
                 logger.warning("could not update the progress artifact: %s", error)
 
     def _loop(self) -> None:
@@ -72,11 +75,13 @@ class ProgressArtifact:
             self._stop.wait(self.interval)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Send the newest value and stop the thread."""
+        """Send the newest value and stop the thread (waiting at most ``timeout`` seconds for a call in progress,
+        none during an outage)."""
         self._stop.set()
         self._changed.set()
-        self._thread.join(timeout)
-        self._send()
+        self._thread.join(0 if orchestrator.outage() else timeout)
+        if not self._thread.is_alive():  # else the API is slow or gone: no second call beside the first
+            self._send()
 
 
 def duration(seconds: float) -> str:

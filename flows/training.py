@@ -77,7 +77,7 @@ class Session:
     records: list[dict[str, Any]]
     publisher: artifacts.BackgroundPublisher
     last_task_run: Any = None  # the id of the task run that ran last (see boundary_in_subflow)
-    subflows: bool = True  # False once the Prefect API could not start a boundary subflow
+    subflows: bool = True  # False once the Prefect server stopped answering (flows.orchestrator.outage)
     started: set[int] = field(default_factory=set)  # boundaries whose work began in this process
     finished: dict[int, dict[str, Any]] = field(default_factory=dict)  # ... and the records of those done
 
@@ -186,26 +186,32 @@ def boundary_flow(run_id: str, number: int) -> State:
 
 
 def boundary_in_subflow(session: Session, boundary: Boundary) -> dict[str, Any] | None:
-    """The boundary as a subflow (None when the run stopped in it); if the Prefect API cannot even start
-    one (a server outage), the boundary runs inside the parent flow run instead: training never needs the
-    server once started."""
+    """The boundary as a subflow (None when the run stopped in it). Once the Prefect server does not
+    answer (a health check first, then the subflow's own calls; :mod:`flows.orchestrator`), this and the
+    remaining boundaries run inside the parent flow run instead: training waits on a server that hangs
+    for at most one call."""
     if session.subflows:
-        if session.last_task_run is not None:  # the server has written the last task's states
+        if orchestrator.answers() and session.last_task_run is not None:  # the server has written the last task
             orchestrator.await_task_recorded(session.last_task_run)
-        try:
-            state = boundary_flow.with_options(flow_run_name=boundaries.title(boundary))(
-                session.paths.run_id, boundary.number, return_state=True)
-            if state.is_cancelled():
-                return None
-            return state.result()  # raises the boundary's error
-        except Exception as error:
-            if boundary.number in session.finished:  # done; only its final state was not recorded
-                return session.finished[boundary.number]
-            if boundary.number in session.started or session.run.stopped is not None:
-                raise
-            session.subflows = False
-            get_run_logger().warning("the Prefect API could not start the subflow of %s (%s); this and the "
-                                     "remaining boundaries run inside the flow run", boundaries.label(boundary), error)
+        if orchestrator.outage() is None:
+            try:
+                state = boundary_flow.with_options(flow_run_name=boundaries.title(boundary))(
+                    session.paths.run_id, boundary.number, return_state=True)
+                if state.is_cancelled():
+                    return None
+                return state.result()  # raises the boundary's error
+            except Exception as error:
+                if boundary.number in session.finished:  # done; only its final state was not recorded
+                    if orchestrator.unanswered(error):  # else the health check before the next one decides
+                        orchestrator.record_outage(error)
+                    return session.finished[boundary.number]
+                if boundary.number in session.started or session.run.stopped is not None:
+                    raise
+                orchestrator.record_outage(error)
+        session.subflows = False
+        get_run_logger().warning("the Prefect API could not start the subflow of %s (%s); this and the remaining "
+                                 "boundaries run inside the flow run", boundaries.label(boundary),
+                                 (orchestrator.outage() or "")[:300])
     return run_boundary(session, boundary.number)
 
 
@@ -294,6 +300,7 @@ def train_flow(
     resumes after its last completed boundary. ``init_from_alias`` (e.g. ``champion``) starts
     the agents from the registry's current holder of that alias when it exists.
     """
+    orchestrator.clear_outage()  # a new run trusts the server until it stops answering
     root = str(Path(root or os.getcwd()).resolve())
     tracking_uri = tracking_uri or default_tracking_uri(workdir)
     spec = tasks.validate_spec(spec_path, root)

@@ -165,7 +165,7 @@ def test_prefect_client_waits_are_bounded_unless_the_environment_says_otherwise(
     for key in orchestrator.CLIENT_BOUNDS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("PREFECT_CLIENT_MAX_RETRIES", "7")
-    assert orchestrator.bound_client_waits() == {"PREFECT_API_REQUEST_TIMEOUT": "30"}
+    assert orchestrator.bound_client_waits() == {"PREFECT_API_REQUEST_TIMEOUT": "10"}
     assert os.environ["PREFECT_CLIENT_MAX_RETRIES"] == "7"
 
 
