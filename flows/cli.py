@@ -77,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
     if _bad_run_id(args.run_id):
         return 2
+    from flows.runs import apply_offline_defaults
+
+    apply_offline_defaults()  # the run's hub setting judges the spec too (a hub id absent offline: exit 2 here)
     if (spec := _load_spec(args.spec, root)) is None:
         return 2
     configure(args.workdir)

@@ -33,6 +33,16 @@ def default_tracking_uri(workdir: str | Path) -> str:
     return f"sqlite:///{store / 'mlflow.db'}"
 
 
+# Models and datasets come from disk (or the local cache) unless the environment says otherwise; the CLI applies
+# these before it validates a spec, so validation and the run agree on whether a hub id can be found.
+OFFLINE_DEFAULTS = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+def apply_offline_defaults() -> None:
+    for key, value in OFFLINE_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
 def configure_embedded_default(workdir: str | Path) -> dict[str, str]:
     """Environment for Prefect's ephemeral mode and the local MLflow store under ``workdir``.
 
@@ -46,8 +56,7 @@ def configure_embedded_default(workdir: str | Path) -> dict[str, str]:
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
+        **OFFLINE_DEFAULTS,
         "TOKENIZERS_PARALLELISM": "false",
         "GIT_PYTHON_REFRESH": "quiet",
         # One "Finished in state Completed()" line per task drowns the per-boundary summaries

@@ -32,7 +32,8 @@ def test_a_bad_run_id_is_refused_before_anything_starts(run_id, tmp_path):
         assert time.monotonic() - started < 60
 
 
-def test_a_hub_id_that_is_not_available_offline_is_refused_at_validation(tmp_path):
+@pytest.mark.parametrize("offline", ["1", None], ids=["HF_HUB_OFFLINE=1", "unset"])  # unset: the run's default, 1
+def test_a_hub_id_that_is_not_available_offline_is_refused_at_validation(tmp_path, offline):
     spec = (ROOT / "flows" / "specs" / "letters.yaml").read_text()
     lines = [("  agent_model: my-models/llama-7b" if line.startswith("  agent_model:") else line)
              for line in spec.splitlines()]
@@ -40,7 +41,8 @@ def test_a_hub_id_that_is_not_available_offline_is_refused_at_validation(tmp_pat
     started = time.monotonic()
     result = subprocess.run([COMLRL, "run", str(tmp_path / "hub.yaml"), "--root", str(ROOT), "--workdir",
                              str(tmp_path / "work")], capture_output=True, text=True, cwd=ROOT, timeout=120,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**{k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"},
+                                 **({"HF_HUB_OFFLINE": offline} if offline else {})})
     assert result.returncode == 2, result.stderr[-2000:]
     assert "models.agent_model: 'my-models/llama-7b' is no directory under" in result.stderr
     assert "not in the local Hugging Face cache" in result.stderr and "Traceback" not in result.stderr
