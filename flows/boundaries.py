@@ -102,7 +102,7 @@ def boundary_row(report: Any) -> dict[str, Any]:
 
 
 def _round(value: float | None) -> float | None:
-    return None if value is None or not math.isfinite(value) else round(float(value), 4)
+    return None if value is None or not math.isfinite(value) else round(float(value), 4) + 0.0  # never -0.0
 
 
 def describe(row: dict[str, Any]) -> str:

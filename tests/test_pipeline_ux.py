@@ -347,6 +347,9 @@ def test_a_boundary_line_shows_the_gradient_norm_beside_a_near_zero_loss():
     row = boundary_row(report)
     assert row["grad_norm"] == pytest.approx(0.305) and row["loss"] == 0.0
     assert describe(row) == "epoch 2 · reward 0.250 · eval 0.500 · loss 0 · grad 0.305 · 1.2 s"
+    # a slightly negative mean rounds to 0, not "-0" (the demo printed "loss -0")
+    metrics.update({"agent_0/loss": -3e-9})
+    assert " · loss 0 · " in describe(boundary_row(report))
 
 
 def test_a_long_run_says_where_it_is_every_interval():
