@@ -25,3 +25,21 @@ def test_transition_example_returns_one_prompt_per_agent():
     exec(block, namespace)
     prompts = namespace["transition"]("task", ["a", "b"], 2)
     assert prompts == ["task\nYour last answer: a\nImprove it.", "task\nYour last answer: b\nImprove it."]
+
+
+def test_the_two_tiers_are_as_the_readme_says():
+    """The README's test command deselects the end-to-end tier, `test -m e2e` runs it, .ci/run runs both, and
+    every module the README names as a home of the tier's guarantees has tests in it."""
+    root = README.parent
+    text = README.read_text()
+    paragraph = text[text.index("only home of these guarantees"):text.index("[Timings](#timings).", text.index(
+        "only home of these guarantees"))]
+    modules = sorted(set(re.findall(r"`(tests/test_\w+\.py)`", paragraph)))
+    assert len(modules) >= 10, modules
+    for module in modules:  # read, not collected: a module may skip at import (no psycopg, no selenium)
+        source = (root / module).read_text()
+        assert "pytest.mark.e2e" in source and "\ndef test_" in source, module
+    bootstrap = (root / "infra" / "bootstrap.sh").read_text()
+    assert '-m pytest -m "not e2e" "$@"' in bootstrap  # a later -m (e.g. `test -m e2e`) replaces the first
+    ci = (root / ".ci" / "run").read_text()
+    assert "bash infra/bootstrap.sh test ||" in ci and "bash infra/bootstrap.sh test -m e2e" in ci
