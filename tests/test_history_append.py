@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import shutil
 from pathlib import Path
 
@@ -16,13 +14,13 @@ import pytest
 import torch
 from datasets import Dataset
 
-from comlrl.callbacks import TrainerCallback
 from comlrl.checkpointing import latest_checkpoint, read_checkpoint, read_history
 from comlrl.checkpointing.history import HISTORY_DIR, encode_rows
 from comlrl.checkpointing.lineage import ARCHIVE_DIR
 from comlrl.checkpointing.manifest import seal
 from comlrl.errors import TrainingInterrupted
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+from test_checkpoint_lineage import StopAfter
 
 STEPS_PER_EPOCH = 2
 VOLATILE = ("_time", "tokens_per_second", "memory/")  # metrics of the machine, not of the run
@@ -35,14 +33,6 @@ def build(model_dir: str, epochs: int, callbacks=()) -> MAGRPOTrainer:
                          args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=epochs,
                                            per_device_train_batch_size=2, seed=5, disable_tqdm=True))
 
-
-class StopAfter(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_log(self, trainer, metrics, step):
-        if step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def steady(history: list[dict]) -> list[dict]:

@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ import yaml
 
 from comlrl.tasks.letters import write_dataset
 from letters_spec import letters_spec
-from test_servers import ROOT, free_port, get_json
+from test_servers import ROOT, free_port, get_json, wait_until_answers
 
 SPEC = {
     # Measured: evaluation reward 0.102 untrained (and at lr 1e-9), 0.136 after these 4 steps at lr 0.02.
@@ -288,14 +287,8 @@ def test_the_team_model_is_served_over_http(runs, servers, tmp_path):
     server = subprocess.Popen(command, env=env, stdout=open(tmp_path / "serve.log", "w"), stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
-        deadline = time.monotonic() + 150
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2):
-                    break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
-                time.sleep(1)
+        wait_until_answers(f"http://127.0.0.1:{port}/ping", server,
+                           lambda: (tmp_path / "serve.log").read_text()[-3000:])
         served = get_json(f"http://127.0.0.1:{port}/invocations",
                           {"dataframe_records": [{"prompt": PROMPT}], "params": {"seed": 0}})["predictions"]
     finally:

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -39,7 +38,7 @@ from comlrl.tasks.letters import write_dataset
 from comlrl.tracking import RUN_KEY_TAG
 from letters_spec import letters_spec
 from test_printed_commands import block_commands
-from test_servers import ROOT, free_port, get_json, started_servers
+from test_servers import ROOT, free_port, get_json, started_servers, wait_until_answers
 
 
 def postgres_installed() -> bool:
@@ -296,14 +295,7 @@ def test_the_champion_team_is_served_over_http_with_the_documented_command(stack
         server = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=stack["env"], stdout=output,
                                   stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 150
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2):
-                    break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, f"{command}\n{log.read_text()[-3000:]}"
-                time.sleep(1)
+        wait_until_answers(f"http://127.0.0.1:{port}/ping", server, lambda: f"{command}\n{log.read_text()[-3000:]}")
         loaded = yaml.safe_load((served_model_path(server) / "MLmodel").read_text())
         served = get_json(f"http://127.0.0.1:{port}/invocations", request)["predictions"]
     finally:

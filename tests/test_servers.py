@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from contextlib import contextmanager
@@ -38,6 +39,18 @@ def get_json(url: str, body: dict | None = None) -> dict:
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
+
+
+def wait_until_answers(url: str, process: subprocess.Popen, why, timeout: float = 150.0) -> None:
+    """Poll ``url`` each second until it answers; fail with ``why()`` if ``process`` ends or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, why()
+            time.sleep(1)
 
 
 @contextmanager

@@ -13,6 +13,7 @@ from comlrl.parallel.distributed import DataParallel
 from comlrl.seeding import MAX_SEED, capture_rng_state, restore_rng_state
 from comlrl.trainers import IACConfig, MAGRPOConfig
 from flows.spec import SpecError, parse_spec
+import test_spec_security as security
 
 ROOT = Path(__file__).resolve().parent.parent
 COMLRL = str(Path(sys.executable).parent / "comlrl")
@@ -89,14 +90,7 @@ def test_a_workdir_must_leave_room_for_the_run_files_below_it(tmp_path):
     assert f"comlrl adds up to 512 below it, where this filesystem allows at most {path_max}" in line, line
 
 
-SPEC = {
-    "name": "limits",
-    "algorithm": "magrpo",
-    "models": {"agent_model": {"tiny": {"architecture": "llama", "vocab_size": 96}}},
-    "dataset": {"train": "data/rows.jsonl"},
-    "reward": "comlrl.tasks.letters:letters_reward",
-    "config": {"num_agents": 2, "num_generations": 2},
-}
+SPEC = {**security.SPEC, "name": "limits"}  # the smallest valid spec (tests/test_spec_security.py)
 
 
 def problems_of(data: dict, root: Path) -> dict[str, str]:
