@@ -89,13 +89,15 @@ def test_rollout_buffer_and_train_batch_size_only_when_equivalent():
     config = MAGRPOConfig(per_device_train_batch_size=2, rollout_buffer_size=2, train_batch_size=2)
     assert config.rollout_buffer_size == 2
     assert IACConfig(per_device_train_batch_size=2, num_generations=4, rollout_buffer_size=8).rollout_buffer_size == 8
-    for kwargs in (dict(rollout_buffer_size=2), dict(train_batch_size=3),
+    for kwargs in (dict(per_device_train_batch_size=1, rollout_buffer_size=2), dict(train_batch_size=3),
                    dict(num_turns=2, rollout_buffer_size=1, external_prompt_passthrough=False)):
         field = "rollout_buffer_size" if "rollout_buffer_size" in kwargs else "train_batch_size"
         with pytest.raises(ValueError, match=rf"MAGRPOConfig\.{field}=\d is not supported yet"):
             MAGRPOConfig(**kwargs)
     with pytest.raises(ValueError, match="rollout_buffer_size=8 is not supported yet"):
-        MAACConfig(rollout_buffer_size=8)  # 4 samples per update with the defaults here
+        MAACConfig(per_device_train_batch_size=1, rollout_buffer_size=8)  # 4 samples per update here
+    # Given alone, the buffer sets the batch (tests/test_default_batching.py): 8 completions = 2 prompts x 4.
+    assert MAACConfig(rollout_buffer_size=8).per_device_train_batch_size == 2
 
 
 def test_parallel_training_accepts_original_values():

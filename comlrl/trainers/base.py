@@ -234,14 +234,15 @@ class MultiAgentTrainer(EpochSteps):
         """Fail early on a dataset that cannot train: too small, rows the formatters cannot read, or
         batches that do not split over the data-parallel processes."""
         check_dataset(dataset, "train_dataset")
-        if len(dataset) < self.args.per_device_train_batch_size:
+        size = self.batch_size_for(len(dataset))
+        if len(dataset) < size:
             raise ValueError(
                 f"train_dataset has {len(dataset)} rows, fewer than one batch "
-                f"(per_device_train_batch_size={self.args.per_device_train_batch_size}); lower the batch size"
+                f"(per_device_train_batch_size={size}); lower the batch size"
             )
         for agent, formatter in enumerate(self.formatters):  # a missing field fails now, not mid-run
             format_prompt(formatter, dataset[0], agent, 0)
-        self.data_parallel.check_batches(len(dataset), self.args.per_device_train_batch_size)
+        self.data_parallel.check_batches(len(dataset), size)
 
     # ----- construction helpers -------------------------------------------------------------
     def new_state(self) -> TrainerState:
@@ -340,10 +341,24 @@ class MultiAgentTrainer(EpochSteps):
         return [self.model_optimizers[f"agent_{i}"].optimizer for i in range(self.num_agents)]
 
     # ----- the loop ---------------------------------------------------------------------------
+    def batch_size_for(self, rows: int) -> int:
+        """Prompts per step in this process: ``per_device_train_batch_size``, except that a default (neither it nor
+        ``rollout_buffer_size`` given) is capped at the dataset's rows, so a one-row dataset trains."""
+        size = self.args.per_device_train_batch_size
+        if self.args.was_given("per_device_train_batch_size") or self.args.was_given("rollout_buffer_size"):
+            return size
+        return max(1, min(size, rows))
+
+    @property
+    def batch_size(self) -> int:
+        """Prompts per step in this process (:meth:`batch_size_for` the training rows)."""
+        dataset = self.train_dataset
+        return self.args.per_device_train_batch_size if dataset is None else self.batch_size_for(len(dataset))
+
     @property
     def global_batch_size(self) -> int:
         """Prompts per step over all data-parallel processes."""
-        return self.args.per_device_train_batch_size * self.data_parallel.world_size
+        return self.batch_size * self.data_parallel.world_size
 
     def batches_per_epoch(self) -> int:
         if self.train_dataset is None:  # planned again when the dataset is set

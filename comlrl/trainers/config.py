@@ -124,6 +124,7 @@ class RolloutConfig(ConfigBase):
         kind=(str, list), optional=True)
 
     def __post_init__(self) -> None:
+        self._adopt_original_batching()
         super().__post_init__()
         kl_coef = self.reference_kl_coef if self.reference_kl_enabled else 0.0
         message = truncated_sampling_warning(type(self).__name__, kl_coef, self.top_p, self.top_k)
@@ -156,11 +157,30 @@ class RolloutConfig(ConfigBase):
         """Models that ``device`` places (one per agent; one for a model that writes every role)."""
         return self.num_agents
 
+    def _samples_per_prompt(self) -> int:
+        """Samples per agent that one prompt adds to the original comlrl's rollout buffer (one group)."""
+        return 1
+
     def _samples_per_update(self) -> int | None:
         """Samples per agent in one optimizer step, in the original comlrl's count (None: no equivalent)."""
         if self.num_turns != 1:
             return None
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self._samples_per_prompt()
+
+    def _adopt_original_batching(self) -> None:
+        """The original's ``rollout_buffer_size`` given without this library's batch fields: take the same batching.
+
+        In comlrl 1.4.3 an agent buffers ``rollout_buffer_size`` samples drawn from one policy, then updates; in
+        single-turn training that is ``per_device_train_batch_size`` = buffer / samples per prompt, decoded
+        together. Values that do not map (multi-turn, not a multiple, batch fields also given) are left for
+        :meth:`_original_batching_problems` to name."""
+        size = self.rollout_buffer_size
+        if (not isinstance(size, int) or isinstance(size, bool) or size < 1 or self.num_turns != 1
+                or self.was_given("per_device_train_batch_size") or self.was_given("gradient_accumulation_steps")):
+            return
+        per_prompt = self._samples_per_prompt()
+        if isinstance(per_prompt, int) and per_prompt >= 1 and size % per_prompt == 0:
+            self.per_device_train_batch_size = size // per_prompt
 
     def _original_batching_problems(self) -> list[str]:
         name = type(self).__name__

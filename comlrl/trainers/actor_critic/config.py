@@ -66,9 +66,8 @@ class ActorCriticConfig(RolloutConfig):
             self.critic_learning_rate = self.agent_learning_rate
         super().__post_init__()
 
-    def _samples_per_update(self) -> int | None:
-        per_update = super()._samples_per_update()
-        return None if per_update is None else per_update * self.num_generations
+    def _samples_per_prompt(self) -> int:
+        return self.num_generations  # the original buffers each completion of a prompt as its own sample
 
     def validate(self) -> list[str]:
         problems = super().validate()

@@ -63,7 +63,7 @@ class PreferenceCollection:
         comparator_spec = spec.replace(num_generations=self.options.comparator_num_candidates or self.num_candidates)
         row_indices = self.preference_rows(len(policy.train_dataset), iteration)
         mine = self.data_parallel.shard(row_indices)
-        chunk = max(self.args.per_device_train_batch_size, 8)
+        chunk = max(policy.batch_size, 8)
         for agent in policy.agents:
             agent.eval()
         generator = None

@@ -54,6 +54,10 @@ class MADPOConfig(RolloutConfig):
     environment_steps_per_pair: int = not_supported_yet(2, "Original comlrl's step counting for logging; only the "
                                                         "default.", min=1)
 
+    def _adopt_original_batching(self) -> None:
+        """Not here: 1.4.3's MADPO ``rollout_buffer_size`` is its preference pairs per optimizer step, not a
+        count of prompts, so it is accepted only where it equals the samples of one update (as before)."""
+
     def validate(self) -> list[str]:
         problems = super().validate()
         name = type(self).__name__

@@ -21,6 +21,9 @@ ADVANTAGE_MODE_HELP = ("Baseline of each sample's advantage within its group: 'm
 class MAGRPOConfig(RolloutConfig):
     """Multi-agent GRPO: group-relative advantages from a joint reward, clipped policy loss per agent."""
 
+    per_device_train_batch_size: int = option(
+        2, "Prompts per rollout batch, decoded together and used by one update. Default 2: one update per two "
+        "prompts' rollouts, as comlrl 1.4.3's default rollout_buffer_size=2 (docs/migrating.md).", min=1)
     joint_mode: str = option("aligned", "How joint samples are formed: 'aligned' (index by index) or 'cross' (product).",
                              choices=("aligned", "cross"))
     normalize_advantages: bool = option(True, NORMALIZE_HELP, aliases=("advantage_normalization",))
