@@ -29,7 +29,7 @@ from comlrl.executables import executable
 EXIT_TRACKING_UNREACHABLE = 75  # sysexits' EX_TEMPFAIL: try again once the MLflow server answers
 # Path options checked against the filesystem's limits before a command starts, with the bytes comlrl adds
 # below each (under --workdir: runs/<run id>/checkpoints/..., mlflow/artifacts/..., a few hundred at most).
-PATH_OPTIONS = {"workdir": ("--workdir", 512), "root": ("--root", 0)}
+PATH_OPTIONS = {"workdir": ("--workdir", 512), "root": ("--root", 0), "path": ("PATH", 0)}
 
 
 def _load_spec(spec: str, root: str):
@@ -172,7 +172,7 @@ def promote(args: argparse.Namespace) -> int:
         moved = tracking.call_with_deadline(
             lambda: gate.promote(uri, args.model, args.from_alias, args.to_alias, force=args.force), f"MLflow at {uri}")
     except ValueError as error:
-        print(error, file=sys.stderr)
+        print(f"comlrl promote: {error}", file=sys.stderr)
         return 2
     except Exception as error:
         if not tracking.unreachable(error):
@@ -207,10 +207,10 @@ def sync(args: argparse.Namespace) -> int:
     try:
         results = tracking.sync(args.path, args.tracking_uri)
     except (tracking_spool.SpoolError, ValueError) as error:
-        print(error, file=sys.stderr)
+        print(f"comlrl sync: {error}", file=sys.stderr)
         return 2
     if not results:
-        print(f"no tracking spool (spool.jsonl) under {args.path}", file=sys.stderr)
+        print(f"comlrl sync: no tracking spool (spool.jsonl) under {args.path}", file=sys.stderr)
         return 2
     for result in results:
         print(result.message, file=sys.stdout if result.exit_status == 0 else sys.stderr)

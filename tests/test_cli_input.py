@@ -48,3 +48,25 @@ def test_a_hub_id_that_is_not_available_offline_is_refused_at_validation(tmp_pat
     assert "not in the local Hugging Face cache" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "work" / "runs").exists()
     assert time.monotonic() - started < 60
+
+
+def test_sync_refuses_a_path_the_filesystem_cannot_hold_and_says_when_there_is_no_spool(tmp_path):
+    too_long = tmp_path / ("a" * 300)
+    result = subprocess.run([COMLRL, "sync", str(too_long)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("comlrl: PATH: ") and "PC_NAME_MAX" in lines[0] and "Traceback" not in result.stderr
+    (tmp_path / "empty").mkdir()
+    result = subprocess.run([COMLRL, "sync", str(tmp_path / "empty")], capture_output=True, text=True, cwd=ROOT,
+                            timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"comlrl sync: no tracking spool (spool.jsonl) under {tmp_path / 'empty'}"
+
+
+def test_promote_names_a_missing_model_in_one_prefixed_line(tmp_path):
+    result = comlrl("promote", "nosuch", workdir=tmp_path / "work")
+    assert result.returncode == 2, result.stderr[-2000:]
+    ours = [line for line in result.stderr.splitlines() if line.startswith("comlrl")]
+    assert ours == [f"comlrl promote: no registered models named nosuch-team or nosuch-agent-<i> in "
+                    f"sqlite:///{tmp_path / 'work' / 'mlflow' / 'mlflow.db'}"], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
