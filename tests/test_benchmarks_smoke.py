@@ -88,3 +88,17 @@ def test_scaling_script_runs_one_configuration(tiny_llama):
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
     assert "| 1 | 4 | 64 |" in completed.stdout
+
+
+@pytest.mark.parametrize("config, batch, updates", [({}, 2, 3), ({"rollout_buffer_size": 1}, 1, 5)])
+def test_the_user_script_of_record_runs_here_at_the_defaults(tiny_llama, config, batch, updates):
+    """benchmarks/user_script.py (the same text for both libraries, defaults.py) on the tiny model: at the defaults
+    two prompts per update, as the original's rollout_buffer_size=2; with rollout_buffer_size=1 one per prompt."""
+    job = {"model_dir": tiny_llama, "task": "letters", "prompts": 5, "num_generations": 2, "max_new_tokens": 4,
+           "config": config}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "user_script.py"), json.dumps(job)], capture_output=True,
+                          text=True, timeout=300)
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert (result["per_device_train_batch_size"], result["optimizer_steps"]) == (batch, 2 * updates)
+    assert 0 < result["train_s"] < result["script_s"] and result["peak_rss_mib"] > 0
