@@ -13,7 +13,9 @@ from datasets import Dataset
 from comlrl.callbacks import MetricsRecorder
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
-FAST = dict(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=1, disable_tqdm=True)
+# One prompt per step (the default is two, tests/test_default_batching.py): these tests count steps per row.
+FAST = dict(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=1, disable_tqdm=True,
+            per_device_train_batch_size=1)
 
 
 def rows(count: int) -> Dataset:

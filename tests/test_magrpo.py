@@ -28,7 +28,7 @@ def test_spec_homogeneous_example(tiny_llama, reward_func, train_dataset):
     )
     assert len(trainer.agents) == 3
     history = trainer.train()
-    assert len(history) == len(train_dataset)
+    assert len(history) == len(train_dataset) // 2  # two prompts per step at the defaults
 
 
 def test_spec_heterogeneous_example(tiny_llama, tiny_gpt2, reward_func, train_dataset):
@@ -111,7 +111,7 @@ def test_save_model_layout_and_continue_from_saved(tiny_llama, reward_func, trai
     start = [p.detach().clone() for p in continued_trainer.agents[0].parameters()]
     assert all(torch.equal(a, b) for a, b in zip(start, trainer.agents[0].parameters()))
     history = continued_trainer.train()
-    assert len(history) == 3 * len(train_dataset)  # three epochs in the new run
+    assert len(history) == 3 * len(train_dataset) // 2  # three epochs of two prompts per step in the new run
     continued_trainer.save_model("./saved-models/run-2")
     assert (tmp_path / "saved-models/run-2/agent_1/model.safetensors").is_file()
 
@@ -238,7 +238,7 @@ def test_single_agent_is_grpo(tiny_llama, train_dataset):
         agent_model=tiny_llama, num_agents=1, reward_func=lambda c: [len(x) for x in c], train_dataset=train_dataset,
         args=MAGRPOConfig(num_train_epochs=1, num_agents=1, **FAST),
     )
-    assert len(trainer.train()) == len(train_dataset)
+    assert len(trainer.train()) == len(train_dataset) // 2  # two prompts per step at the defaults
 
 
 def _sequential_map(function, devices):
