@@ -87,7 +87,7 @@ def test_scaling_script_runs_one_configuration(tiny_llama):
         capture_output=True, text=True, timeout=120,
     )
     assert completed.returncode == 0, completed.stderr[-2000:]
-    assert "| 1 | 4 | 64 |" in completed.stdout
+    assert "| 1 | 4 | 32 | 2 |" in completed.stdout  # the base: 4 generations, 32 new tokens, 2 prompts per step
 
 
 @pytest.mark.parametrize("config, batch, updates", [({}, 2, 3), ({"rollout_buffer_size": 1}, 1, 5)])
