@@ -50,6 +50,8 @@ import types
 from pathlib import Path
 from typing import Any, Callable
 
+from workload import versions
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 CONFIG_DIR = ROOT / ".gpu_bench" / "smollm2"
@@ -269,18 +271,6 @@ def import_reference(notes: list[str]) -> types.ModuleType:
                 del sys.modules[name]
 
 
-def versions(*names: str) -> dict[str, str]:
-    import importlib.metadata as metadata
-
-    found = {"python": sys.version.split()[0]}
-    for name in names:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = "not installed"
-    return found
-
-
 def run_ours(args: argparse.Namespace, clock: EpochClock, result: dict[str, Any]) -> None:
     from real_model import RealWorkload, plain_formatters, writing_task
 
@@ -309,15 +299,9 @@ def run_ours(args: argparse.Namespace, clock: EpochClock, result: dict[str, Any]
     clock.sync()
     result["memory_after_load"] = memory_now(clock.cuda)
 
-    rollout = trainer.rollout
+    from run_ours import counted_rollout
 
-    def counted_rollout(*a: Any, **k: Any) -> Any:
-        produced = rollout(*a, **k)
-        clock.count(produced.generated_tokens(),
-                    sum(g.completion_ids.shape[1] for turn in produced.turns for g in turn.generations))
-        return produced
-
-    trainer.rollout = clock.phases.wrap("generation", counted_rollout)
+    trainer.rollout = clock.phases.wrap("generation", counted_rollout(trainer.rollout, clock))
     trainer.update = clock.phases.wrap("update", trainer.update)
     take_step, end_epoch = trainer.take_step, trainer.end_epoch
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable, Iterator
 
+from run_ours import counted_rollout
 from run_reference import instrument as instrument_reference
 from roofline import model_shapes
 from workload import PROCESS_START, PhaseTimer, RunResult, StepRecord, versions
@@ -176,15 +177,7 @@ def run_ours(workload: RealWorkload) -> RunResult:
                             formatters=plain_formatters(task), train_dataset=Dataset.from_list(workload.rows()),
                             args=config)
     clock = EpochClock(result, timer, steps_per_epoch=1, samples=2 * workload.num_generations * workload.num_prompts)
-    rollout = trainer.rollout
-
-    def counted_rollout(*args: Any, **kwargs: Any) -> Any:
-        produced = rollout(*args, **kwargs)
-        clock.count(produced.generated_tokens(),
-                    sum(g.completion_ids.shape[1] for turn in produced.turns for g in turn.generations))
-        return produced
-
-    trainer.rollout = timer.wrap("generation", counted_rollout)
+    trainer.rollout = timer.wrap("generation", counted_rollout(trainer.rollout, clock))
     trainer.score = timer.wrap("reward", trainer.score)
     trainer.update = timer.wrap("update", trainer.update)
     trainer.train_step = clock.timed(trainer.train_step)

@@ -4,7 +4,11 @@
 resumable run (a Prefect retry of that flow run resumes it), and starts the agents from the
 current ``champion`` versions (the spec's models before the first promotion). Like every run it
 ends at the champion/challenger gate (:mod:`flows.gate`): the retrained team replaces the
-champion only if it evaluates at least as well on the spec's eval set.
+champion only if it evaluates at least as well on the spec's eval set. When the Prefect server has
+stopped answering by the end of the run, the flow-run process ends as ``comlrl run`` does
+(:func:`flows.orchestrator.exit_if_unreachable`: status 69 within a bound, checkpoints on disk),
+instead of waiting for ever in Prefect's exit hook; the worker or ``comlrl serve`` reports the
+crash once the server answers, and ``comlrl resume RUN_ID`` finishes the run.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
+from flows.orchestrator import exit_if_unreachable
 from flows.spec import load_spec
 from flows.training import training_flow
 
@@ -26,8 +31,14 @@ def retrain_flow(spec_path: str, workdir: str = ".comlrl", root: str | None = No
     scheduled = flow_run.scheduled_start_time or datetime.now(timezone.utc)
     spec = load_spec(spec_path, root)
     run_id = f"{spec.name}-retrain-{scheduled:%Y%m%dT%H%M%S}"
-    return training_flow(spec)(spec_path=spec_path, run_id=run_id, workdir=workdir, root=root,
-                               tracking_uri=tracking_uri, init_from_alias=alias)
+    try:
+        result = training_flow(spec)(spec_path=spec_path, run_id=run_id, workdir=workdir, root=root,
+                                     tracking_uri=tracking_uri, init_from_alias=alias)
+    except Exception as error:
+        exit_if_unreachable(run_id, workdir, error)  # as `comlrl run`: a hung server ends this process (69)
+        raise
+    exit_if_unreachable(run_id, workdir)  # a worker's or `comlrl serve`'s flow-run process: the same bounded exit
+    return result
 
 
 def serve(spec_path: str, cron: str, workdir: str, root: str, tracking_uri: str | None, name: str) -> None:

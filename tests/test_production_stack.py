@@ -211,6 +211,24 @@ def team_versions(stack: dict) -> dict[str, dict[str, str]]:
     return {v.version: dict(v.tags) for v in client.search_model_versions(f"name = '{SPEC_NAME}-team'")}
 
 
+def test_the_files_daily_cron_has_its_next_slot_scheduled_on_the_server(stack, deployment):
+    """infra/prefect.yaml's own schedule (03:00 UTC daily), as deployed: the server holds a scheduled flow run of
+    the deployment at the next 03:00 UTC, computed here from the clock, with the file's parameters."""
+    [schedule] = DEPLOYMENT["schedules"]
+    assert (schedule["cron"], schedule["timezone"]) == ("0 3 * * *", "UTC")
+    now = datetime.now(timezone.utc)
+    slot = now.replace(hour=3, minute=0, second=0, microsecond=0)
+    slot += timedelta(days=1) if slot <= now else timedelta(0)
+    api = stack["api"]
+    get_json(f"{api}/deployments/{deployment['id']}/schedule",  # what the scheduler service does each loop
+             {"start_time": now.isoformat(), "end_time": (slot + timedelta(minutes=1)).isoformat()})
+    scheduled = get_json(f"{api}/flow_runs/filter", {"flow_runs": {
+        "deployment_id": {"any_": [deployment["id"]]}, "state": {"type": {"any_": ["SCHEDULED"]}}}})
+    at_slot = [run for run in scheduled if datetime.fromisoformat(run["expected_start_time"]) == slot]
+    assert len(at_slot) == 1, sorted(run["expected_start_time"] for run in scheduled)
+    assert at_slot[0]["parameters"] == deployment["parameters"] == DEPLOYMENT.get("parameters", {}), at_slot[0]
+
+
 def test_the_worker_runs_the_deployment_from_prefect_yaml_to_completed(stack, deployment, runs):
     assert deployment["work_pool_name"] == DEPLOYMENT["work_pool"]["name"]
     assert deployment["entrypoint"] == DEPLOYMENT["entrypoint"]
@@ -282,15 +300,11 @@ def served_model_path(server: subprocess.Popen) -> Path:
     raise AssertionError("no scoring server process with __pyfunc_model_path__ under the serve command")
 
 
-def test_the_champion_team_is_served_over_http_with_the_documented_command(stack, runs, tmp_path):
-    import mlflow
-    import pandas
-    from mlflow.tracking import MlflowClient
-
-    champion = MlflowClient(stack["tracking_uri"]).get_model_version_by_alias(f"{SPEC_NAME}-team", "champion")
+def serve_champion(stack: dict, log: Path) -> tuple[dict, list, dict]:
+    """Serve the team's champion with the documented command, ask it the documented request, stop it: the
+    MLmodel of what it loaded, its answers and the request."""
     port = free_port()
     command, request = documented_serving(stack["tracking_uri"], f"{SPEC_NAME}-team", port)
-    log = tmp_path / "serve.log"
     with open(log, "wb") as output:
         server = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=stack["env"], stdout=output,
                                   stderr=subprocess.STDOUT, start_new_session=True)
@@ -302,16 +316,56 @@ def test_the_champion_team_is_served_over_http_with_the_documented_command(stack
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+    return loaded, served, request
+
+
+def answers_of(stack: dict, version: str, request: dict) -> list:
+    """What team ``version``, loaded here, answers to ``request`` (its seed included)."""
+    import mlflow
+    import pandas
+
+    mlflow.set_tracking_uri(stack["tracking_uri"])
+    local = mlflow.pyfunc.load_model(f"models:/{SPEC_NAME}-team/{version}").predict(
+        pandas.DataFrame(request["dataframe_records"]), params=request["params"])
+    return local.to_dict(orient="records")
+
+
+def test_the_champion_team_is_served_over_http_with_the_documented_command(stack, runs, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    champion = MlflowClient(stack["tracking_uri"]).get_model_version_by_alias(f"{SPEC_NAME}-team", "champion")
+    loaded, served, request = serve_champion(stack, tmp_path / "serve.log")
     # The server loaded the version the alias names: the logged model that version was registered from (its
     # source names it: flows/registry.py registers models:/<model id>) and the run that logged it.
     assert loaded["model_id"] in champion.source and loaded["run_id"] == champion.run_id, (loaded, champion)
     assert [sorted(answer) for answer in served] == [["agent_0", "agent_1"]] * len(request["dataframe_records"])
     assert all(isinstance(text, str) and text for answer in served for text in answer.values()), served
     # ... and answers as that version does, loaded here with the request's seed.
-    mlflow.set_tracking_uri(stack["tracking_uri"])
-    local = mlflow.pyfunc.load_model(f"models:/{SPEC_NAME}-team/{champion.version}").predict(
-        pandas.DataFrame(request["dataframe_records"]), params=request["params"])
-    assert served == local.to_dict(orient="records")
+    assert served == answers_of(stack, champion.version, request)
+
+
+def test_after_comlrl_promote_a_fresh_serve_answers_as_the_new_champion(stack, runs, tmp_path):
+    """Roll the champion over to the other team version with `comlrl promote --from ALIAS --force` (team and
+    agents together), then serve again with the documented command: the new champion is what answers."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(stack["tracking_uri"])
+    champion = client.get_model_version_by_alias(f"{SPEC_NAME}-team", "champion")
+    [other] = [version for version in team_versions(stack) if version != champion.version]
+    other_tags = team_versions(stack)[other]
+    client.set_registered_model_alias(f"{SPEC_NAME}-team", "rollback", other)
+    for name, version in json.loads(other_tags["comlrl.agent_versions"]).items():
+        client.set_registered_model_alias(name, "rollback", str(version))
+    done = subprocess.run([str(Path(sys.executable).parent / "comlrl"), "promote", SPEC_NAME, "--from", "rollback",
+                           "--force", "--workdir", str(tmp_path / "work")], env=stack["env"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{SPEC_NAME}-team: champion -> version {other} (was {champion.version})" in done.stdout, done.stdout
+    assert client.get_model_version_by_alias(f"{SPEC_NAME}-team", "champion").version == other
+    loaded, served, request = serve_champion(stack, tmp_path / "serve.log")
+    now = client.get_model_version(f"{SPEC_NAME}-team", other)
+    assert loaded["model_id"] in now.source and loaded["run_id"] == now.run_id != champion.run_id, (loaded, now)
+    assert served == answers_of(stack, other, request)
 
 
 def test_the_runs_are_logged_in_the_postgresql_backed_mlflow(stack, runs):
@@ -350,10 +404,12 @@ def servers_script(stack: dict, *arguments: str) -> str:
     return done.stdout
 
 
-def test_postgresql_stopped_for_ten_seconds_mid_run_loses_no_training_and_no_mlflow_records(stack, deployment, runs):
-    """`servers.sh db-stop fast`, 10 s, `db-start` while a retraining is in its first epoch. Last in the module:
+@pytest.mark.parametrize("mode", ["fast", "immediate"])  # immediate: as a crash (recovery at the next start)
+def test_postgresql_stopped_for_ten_seconds_mid_run_loses_no_training_and_no_mlflow_records(stack, deployment, runs,
+                                                                                          mode):
+    """`servers.sh db-stop MODE`, 10 s, `db-start` while a retraining is in its first epoch. Last in the module:
     this run may move the champion alias the tests above read."""
-    spec_path = stack["project"] / "restart.yaml"
+    spec_path = stack["project"] / f"restart-{mode}.yaml"
     spec = {**SPEC, "config": {**SPEC["config"], "num_train_epochs": RESTART_EPOCHS}}
     spec_path.write_text(yaml.safe_dump(spec))
     flow_run = get_json(f"{stack['api']}/deployments/{deployment['id']}/create_flow_run",
@@ -368,7 +424,7 @@ def test_postgresql_stopped_for_ten_seconds_mid_run_loses_no_training_and_no_mlf
             break
         assert time.monotonic() < deadline, stack["worker"].tail()
         time.sleep(0.3)
-    assert "stopped postgres" in servers_script(stack, "db-stop", "fast")
+    assert "stopped postgres" in servers_script(stack, "db-stop", mode)
     time.sleep(10)
     servers_script(stack, "db-start")
     child = finished(stack, flow_run["id"])["child"]
