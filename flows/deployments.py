@@ -7,8 +7,8 @@ ends at the champion/challenger gate (:mod:`flows.gate`): the retrained team rep
 champion only if it evaluates at least as well on the spec's eval set. When the Prefect server has
 stopped answering by the end of the run, the flow-run process ends as ``comlrl run`` does
 (:func:`flows.orchestrator.exit_if_unreachable`: status 69 within a bound, checkpoints on disk),
-instead of waiting for ever in Prefect's exit hook; the worker or ``comlrl serve`` reports the
-crash once the server answers, and ``comlrl resume RUN_ID`` finishes the run.
+instead of waiting for ever in Prefect's exit hook; the worker or ``comlrl serve`` sees it exit with
+status 69, and ``comlrl resume RUN_ID`` finishes the run (tests/test_deployment_hang.py).
 """
 
 from __future__ import annotations
