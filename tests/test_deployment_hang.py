@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from flows.orchestrator import CLIENT_BOUNDS, DRAIN_TIMEOUT
+from test_prefect_hang import client_env
 from test_prefect_outage import EPOCHS, ROOT, kill_group, post_json, project, start_prefect, wait_up  # noqa: F401
 from test_servers import get_json
 
@@ -44,10 +45,7 @@ def test_a_deployment_run_with_a_hung_server_exits_in_bounded_time_and_resume_fi
     try:
         wait_up(server, api)
         workdir = tmp_path / "work"
-        env = {**os.environ, "PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-               "HF_HUB_OFFLINE": "1", "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-        for key in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH", *CLIENT_BOUNDS):
-            env.pop(key, None)
+        env = client_env(api, tmp_path, PREFECT_RUNNER_POLL_FREQUENCY="1")
         log = open(tmp_path / "serve.log", "w+")
         runner = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", str(project / "spec.yaml"), "--cron",
                                    "0 3 * * *", "--root", str(project), "--workdir", str(workdir), "--name", "hang"],

@@ -33,6 +33,16 @@ ONE_CALL = 2 * REQUEST + 2  # a request, Prefect's backoff, its one retry
 MARGIN = 15.0  # a loaded 2-core machine
 
 
+def client_env(api: str, tmp_path, **extra: str) -> dict[str, str]:
+    """The environment of a `comlrl` process against the Prefect server at ``api``: MLflow on SQLite under
+    ``tmp_path``, offline, and Prefect's client bounds left to flows.orchestrator (none inherited)."""
+    env = {**os.environ, "PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+           "HF_HUB_OFFLINE": "1", **extra}
+    for key in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH", *CLIENT_BOUNDS):
+        env.pop(key, None)
+    return env
+
+
 def test_a_hung_prefect_server_costs_one_call_and_a_bounded_exit_and_resume_finishes(project, tmp_path):
     home = tmp_path / "prefect-server"
     home.mkdir()
@@ -41,10 +51,7 @@ def test_a_hung_prefect_server_costs_one_call_and_a_bounded_exit_and_resume_fini
     try:
         wait_up(server, api)
         workdir = tmp_path / "work"
-        env = {**os.environ, "PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-               "HF_HUB_OFFLINE": "1"}
-        for key in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH", *CLIENT_BOUNDS):
-            env.pop(key, None)
+        env = client_env(api, tmp_path)
         command = [sys.executable, "-m", "flows.cli", "run", str(project / "spec.yaml"), "--root", str(project),
                    "--run-id", "hang-run", "--workdir", str(workdir)]
         out, err = open(tmp_path / "run.out", "w+"), open(tmp_path / "run.err", "w+")  # files: a pipe could fill up
