@@ -96,6 +96,47 @@ def unanswered(error: BaseException | None) -> bool:
     return False
 
 
+def prefect_api_unanswered(error: BaseException | None) -> bool:
+    """Whether ``error`` or one of its causes is a request to this process's Prefect API that got no answer
+    (``PREFECT_API_URL``): an outage of the orchestrator, not a failure of the run's own work."""
+    import httpx
+
+    api_url = os.environ.get("PREFECT_API_URL", "").rstrip("/")
+    for _ in range(10):  # a chain of causes, not a cycle
+        if error is None or not api_url:
+            return False
+        if isinstance(error, httpx.TransportError):
+            try:
+                if str(error.request.url).startswith(api_url):
+                    return True
+            except RuntimeError:  # an error raised without its request
+                pass
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class OutageTracebacks(logging.Filter):
+    """Keeps the console line of a record whose error is a Prefect API call that got no answer, without its
+    traceback (tens of lines each): the run reports the outage once, in its own words. Other errors keep
+    theirs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and prefect_api_unanswered(record.exc_info[1]):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def quiet_outage_tracebacks() -> None:
+    """Put :class:`OutageTracebacks` on Prefect's console handlers (the root logger's, once Prefect has set up
+    logging in this process); call again after a logging reset, it is added once per handler."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+                isinstance(f, OutageTracebacks) for f in handler.filters):
+            handler.addFilter(OutageTracebacks())
+
+
 def clear_outage() -> None:
     """Trust the server again: a new run starts here."""
     global _outage

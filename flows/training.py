@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,11 @@ LIVE: dict[str, "Session"] = agents.process_table("training-sessions")
 # Seconds between deliveries of the MLflow spool and between updates of the progress artifact: each costs
 # store or API work beside training on a small machine (benchmarks/README.md, "Orchestration overhead").
 SEND_INTERVAL = 2.0
+# A server that answers a subflow's start with an error (a database restarting) is asked again every
+# ANSWERED_ERROR_PAUSE s for up to ANSWERED_ERROR_WINDOW s before the run stops using subflows: a short database
+# outage then costs a pause, not the records of the boundaries after it.
+ANSWERED_ERROR_WINDOW = 60.0
+ANSWERED_ERROR_PAUSE = 2.0
 PROGRESS_INTERVAL = 2.0
 
 
@@ -80,6 +86,7 @@ class Session:
     subflows: bool = True  # False once the Prefect server stopped answering (flows.orchestrator.outage)
     started: set[int] = field(default_factory=set)  # boundaries whose work began in this process
     finished: dict[int, dict[str, Any]] = field(default_factory=dict)  # ... and the records of those done
+    unrecorded: dict[int, str] = field(default_factory=dict)  # done, end state refused by the server: number -> title
 
 
 def start(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, records: list[dict[str, Any]],
@@ -189,14 +196,20 @@ def boundary_in_subflow(session: Session, boundary: Boundary) -> dict[str, Any] 
     """The boundary as a subflow (None when the run stopped in it). Once the Prefect server does not
     answer (a health check first, then the subflow's own calls; :mod:`flows.orchestrator`), this and the
     remaining boundaries run inside the parent flow run instead: training waits on a server that hangs
-    for at most one call."""
+    for at most one call. A server that answers with an error (its database restarting, say) is asked
+    again for up to :data:`ANSWERED_ERROR_WINDOW` seconds before that, and an end state it refused is
+    recorded once it accepts one (:func:`record_refused_ends`), so a database restart loses no record."""
     if session.subflows:
         if orchestrator.answers() and session.last_task_run is not None:  # the server has written the last task
             orchestrator.await_task_recorded(session.last_task_run)
-        if orchestrator.outage() is None:
+        deadline, refused = time.monotonic() + ANSWERED_ERROR_WINDOW, 0
+        while orchestrator.outage() is None:
             try:
                 state = boundary_flow.with_options(flow_run_name=boundaries.title(boundary))(
                     session.paths.run_id, boundary.number, return_state=True)
+                if refused:
+                    supersede_refused_starts(boundaries.title(boundary), state.state_details.flow_run_id)
+                record_refused_ends(session)
                 if state.is_cancelled():
                     return None
                 return state.result()  # raises the boundary's error
@@ -204,15 +217,67 @@ def boundary_in_subflow(session: Session, boundary: Boundary) -> dict[str, Any] 
                 if boundary.number in session.finished:  # done; only its final state was not recorded
                     if orchestrator.unanswered(error):  # else the health check before the next one decides
                         orchestrator.record_outage(error)
+                    else:
+                        session.unrecorded[boundary.number] = boundaries.title(boundary)
                     return session.finished[boundary.number]
                 if boundary.number in session.started or session.run.stopped is not None:
                     raise
-                orchestrator.record_outage(error)
+                if orchestrator.unanswered(error) or time.monotonic() >= deadline:
+                    orchestrator.record_outage(error)
+                    break
+                if not refused:
+                    get_run_logger().warning("the Prefect API refused to start the subflow of %s (%s); asking again "
+                                             "for up to %g s", boundaries.label(boundary), str(error)[:200],
+                                             ANSWERED_ERROR_WINDOW)
+                refused += 1
+                time.sleep(ANSWERED_ERROR_PAUSE)
         session.subflows = False
         get_run_logger().warning("the Prefect API could not start the subflow of %s (%s); this and the remaining "
                                  "boundaries run inside the flow run", boundaries.label(boundary),
                                  (orchestrator.outage() or "")[:300])
     return run_boundary(session, boundary.number)
+
+
+def supersede_refused_starts(title: str, kept: Any) -> None:
+    """Cancel what refused starts of subflow ``title`` left on the server (a flow run created before its state
+    was refused), keeping ``kept``, the one that ran. Best effort."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterParentFlowRunId
+
+    try:
+        with get_client(sync_client=True) as client:
+            for child in client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]),
+                    name=FlowRunFilterName(any_=[title]))):
+                if str(child.id) != str(kept) and (child.state is None or not child.state.is_final()):
+                    client.set_flow_run_state(child.id, Cancelled(
+                        message=f"superseded: the server refused this start; flow run {kept} ran {title}"), force=True)
+    except Exception as error:
+        get_run_logger().debug("could not cancel the refused starts of %s: %s", title, error)
+
+
+def record_refused_ends(session: Session) -> None:
+    """Record the end state that the server refused for finished boundaries' subflows (still shown Running):
+    Completed, with the boundary's summary. Best effort, while the server answers."""
+    if not session.unrecorded or orchestrator.outage() is not None:
+        return
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterParentFlowRunId
+
+    titles = {title: number for number, title in session.unrecorded.items()}
+    try:
+        with get_client(sync_client=True) as client:
+            children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]),
+                name=FlowRunFilterName(any_=list(titles))))
+            for child in children:
+                number = titles[child.name]
+                if child.state is None or not child.state.is_final():
+                    client.set_flow_run_state(child.id, Completed(message=boundaries.describe(
+                        session.finished[number]["row"])), force=True)
+                session.unrecorded.pop(number, None)
+    except Exception as error:  # tried again after the next boundary
+        get_run_logger().debug("could not record the end of %s yet: %s", sorted(titles), error)
 
 
 def stop_message(session: Session) -> str:
@@ -268,6 +333,7 @@ def run_boundaries(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str,
                     break
                 session.records.append(record)
                 append_record(run, record)
+            record_refused_ends(session)  # the last boundary's, if the server refused it
     except BaseException as error:
         session.run.abort(error)  # the last completed step's checkpoint, when the state allows it
         end_tracking(session, "KILLED" if isinstance(error, (KeyboardInterrupt, TerminationSignal)) else "FAILED")
@@ -301,6 +367,7 @@ def train_flow(
     the agents from the registry's current holder of that alias when it exists.
     """
     orchestrator.clear_outage()  # a new run trusts the server until it stops answering
+    orchestrator.quiet_outage_tracebacks()  # if it does, one line per failed call, not a traceback wall
     root = str(Path(root or os.getcwd()).resolve())
     tracking_uri = tracking_uri or default_tracking_uri(workdir)
     spec = tasks.validate_spec(spec_path, root)

@@ -173,3 +173,46 @@ def test_no_configured_server_or_one_that_answers_never_ends_the_process(monkeyp
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     orchestrator.exit_if_unreachable("run", str(tmp_path))  # the embedded default: returns
     assert not orchestrator.reachable(f"http://127.0.0.1:{free_port()}/api", timeout=1.0)
+
+
+def test_a_prefect_call_that_got_no_answer_logs_one_line_without_its_traceback(monkeypatch):
+    import io
+    import logging
+
+    import httpx
+
+    api = "http://127.0.0.1:4200/api"
+    monkeypatch.setenv("PREFECT_API_URL", api)
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    handler.addFilter(orchestrator.OutageTracebacks())
+    logger = logging.getLogger("test.outage.tracebacks")
+    logger.addHandler(handler)
+    logger.propagate = False
+
+    def logged(error: BaseException) -> str:
+        stream.seek(0)
+        stream.truncate()
+        try:
+            raise error
+        except BaseException:
+            logger.exception("Encountered exception during execution: %r", error)
+        return stream.getvalue()
+
+    try:
+        to_api = httpx.ReadTimeout("timed out", request=httpx.Request("POST", f"{api}/flow_runs/x/set_state"))
+        assert logged(to_api) == "ERROR Encountered exception during execution: ReadTimeout('timed out')\n"
+        try:  # as the engine wraps it
+            try:
+                raise to_api
+            except httpx.ReadTimeout as cause:
+                raise RuntimeError("could not propose the state") from cause
+        except RuntimeError as wrapped:
+            assert "Traceback" not in logged(wrapped)
+        elsewhere = httpx.ReadTimeout("timed out", request=httpx.Request("POST", "http://api.example/v1/chat"))
+        assert "Traceback" in logged(elsewhere)  # a reward's or comparator's own call keeps its traceback
+        assert "Traceback" in logged(OSError(28, "No space left on device"))
+        assert "Traceback" in logged(httpx.ReadTimeout("timed out"))  # no request to tell where it went
+    finally:
+        logger.removeHandler(handler)
