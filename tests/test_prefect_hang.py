@@ -73,7 +73,8 @@ def test_a_hung_prefect_server_costs_one_call_and_a_bounded_exit_and_resume_fini
         err.close()
         stderr = (tmp_path / "run.err").read_text()
         print(f"hung server: checkpoint-2 {stall:.1f} s after the hang, exit {exited:.1f} s after it "
-              f"({done:.1f} s after result.json)")
+              f"({done:.1f} s after result.json); stderr {len(stderr.splitlines())} lines, "
+              f"{stderr.count('Traceback')} tracebacks, {stderr.count('| ERROR')} Prefect ERROR lines")
 
         assert run.returncode == EXIT_ORCHESTRATOR_UNREACHABLE, stderr[-4000:]
         saved = sorted(p.name for p in checkpoints.glob("checkpoint-*"))
