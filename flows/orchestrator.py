@@ -37,7 +37,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from comlrl.executables import executable
 
@@ -82,18 +82,21 @@ def record_outage(cause: BaseException | str) -> None:
         _outage = f"{type(cause).__name__}: {cause}" if isinstance(cause, BaseException) else cause
 
 
+def causes(error: BaseException | None, limit: int = 10) -> Iterator[BaseException]:
+    """``error`` and the errors that caused it, nearest first (at most ``limit``: a chain, not a cycle)."""
+    for _ in range(limit):
+        if error is None:
+            return
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def unanswered(error: BaseException | None) -> bool:
     """Whether ``error``, or an error that caused it, says the server gave no answer (no connection, or
     none in time) rather than an answer it did not like (an HTTP error status)."""
     import httpx
 
-    for _ in range(10):  # a chain of causes, not a cycle
-        if error is None:
-            return False
-        if isinstance(error, (httpx.TransportError, OSError)):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    return any(isinstance(cause, (httpx.TransportError, OSError)) for cause in causes(error))
 
 
 def prefect_api_unanswered(error: BaseException | None) -> bool:
@@ -102,16 +105,15 @@ def prefect_api_unanswered(error: BaseException | None) -> bool:
     import httpx
 
     api_url = os.environ.get("PREFECT_API_URL", "").rstrip("/")
-    for _ in range(10):  # a chain of causes, not a cycle
-        if error is None or not api_url:
-            return False
-        if isinstance(error, httpx.TransportError):
+    if not api_url:
+        return False
+    for cause in causes(error):
+        if isinstance(cause, httpx.TransportError):
             try:
-                if str(error.request.url).startswith(api_url):
+                if str(cause.request.url).startswith(api_url):
                     return True
             except RuntimeError:  # an error raised without its request
                 pass
-        error = error.__cause__ or error.__context__
     return False
 
 

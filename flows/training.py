@@ -238,18 +238,27 @@ def boundary_in_subflow(session: Session, boundary: Boundary) -> dict[str, Any] 
     return run_boundary(session, boundary.number)
 
 
+def subflows_named(client: Any, titles: list[str]) -> list[Any]:
+    """This flow run's subflow runs named one of ``titles``, as the server has them."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterParentFlowRunId
+
+    return client.read_flow_runs(flow_run_filter=FlowRunFilter(
+        parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]), name=FlowRunFilterName(any_=titles)))
+
+
+def unfinished(run: Any) -> bool:
+    return run.state is None or not run.state.is_final()
+
+
 def supersede_refused_starts(title: str, kept: Any) -> None:
     """Cancel what refused starts of subflow ``title`` left on the server (a flow run created before its state
     was refused), keeping ``kept``, the one that ran. Best effort."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterParentFlowRunId
 
     try:
         with get_client(sync_client=True) as client:
-            for child in client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]),
-                    name=FlowRunFilterName(any_=[title]))):
-                if str(child.id) != str(kept) and (child.state is None or not child.state.is_final()):
+            for child in subflows_named(client, [title]):
+                if str(child.id) != str(kept) and unfinished(child):
                     client.set_flow_run_state(child.id, Cancelled(
                         message=f"superseded: the server refused this start; flow run {kept} ran {title}"), force=True)
     except Exception as error:
@@ -262,17 +271,13 @@ def record_refused_ends(session: Session) -> None:
     if not session.unrecorded or orchestrator.outage() is not None:
         return
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterParentFlowRunId
 
     titles = {title: number for number, title in session.unrecorded.items()}
     try:
         with get_client(sync_client=True) as client:
-            children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]),
-                name=FlowRunFilterName(any_=list(titles))))
-            for child in children:
+            for child in subflows_named(client, list(titles)):
                 number = titles[child.name]
-                if child.state is None or not child.state.is_final():
+                if unfinished(child):
                     client.set_flow_run_state(child.id, Completed(message=boundaries.describe(
                         session.finished[number]["row"])), force=True)
                 session.unrecorded.pop(number, None)
