@@ -104,6 +104,14 @@ def steps_after_all_backwards(trainer: Any) -> contextlib.AbstractContextManager
     return swapped((trainer, "agents_run_in_turn", lambda: False))
 
 
+def unpacked_decode(trainer: Any) -> contextlib.AbstractContextManager:
+    """Before packed decode weights: every decode step multiplies by the plain weights (torch's default
+    GEMM, MKL) instead of copies packed for the decode's rows by oneDNN (``comlrl.rollout.packed_weights``)."""
+    import comlrl.rollout.packed_weights as packed_weights
+
+    return swapped((packed_weights, "PACK_MIN_BYTES", 2**62))
+
+
 def chunked_logprobs(trainer: Any, chunk: int = 8) -> contextlib.AbstractContextManager:
     """Tried: log-probs from the final hidden states, the output head and log-softmax applied to
     ``chunk`` positions at a time and recomputed in the backward pass (no full-vocabulary logits kept).
@@ -136,8 +144,10 @@ VARIANTS: dict[str, tuple[str, list[Callable[[Any], contextlib.AbstractContextMa
     "shared-prefill": ("each prompt prefilled once per agent", [unshared_update]),
     "steps-after-all-backwards": ("shared, every agent's backward before any optimizer step (before the per-agent "
                                   "step)", [steps_after_all_backwards]),
-    "shared": ("+ each prompt run once in the update, each agent stepped after its backward (the library now, fp32)",
-               []),
+    "unpacked-decode": ("shared, decode products from the plain weights (before packed decode weights)",
+                        [unpacked_decode]),
+    "shared": ("+ each prompt run once in the update, each agent stepped after its backward, decode weights packed "
+               "(the library now, fp32)", []),
     "chunked-logprobs": ("tried: full update pass per row, head + log-softmax in chunks of 8 positions",
                          [unshared_update, chunked_logprobs]),
     "bf16-mixed-update": ("library precision='bf16-mixed', its autocast half only (sampling from fp32 weights)",
@@ -145,6 +155,8 @@ VARIANTS: dict[str, tuple[str, list[Callable[[Any], contextlib.AbstractContextMa
     "autocast-generation": ("tried: shared, decode loop under bf16 autocast", [autocast_generation]),
     "bf16-mixed-sampling": ("library precision='bf16-mixed', its sampling half only (bf16 copies, fp32 update)",
                             [bf16_sampling]),
+    "bf16-mixed-unpacked": ("library precision='bf16-mixed', decode products from the plain bf16 copies",
+                            [bf16_mixed, unpacked_decode]),
     "bf16-mixed": ("library precision='bf16-mixed' (both halves)", [bf16_mixed]),
 }
 

@@ -9,6 +9,8 @@ takes an explicit ``torch.Generator``, so agents sampling side by side stay repr
 difference: it prefills each prompt once for all its samples, where ``generate`` prefills every
 sample; on larger models the matrix library can then round the prefill's logits differently in
 the last bits (SmolLM2-135M: up to 5e-5), so a draw that falls on a probability boundary can differ.
+The same holds on models large enough for packed decode weights (:mod:`comlrl.rollout.packed_weights`),
+whose products round differently from the usual ones in the last bits.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from functools import lru_cache
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from comlrl.rollout.packed_weights import packed_linears
 
 
 BACKENDS = ("comlrl", "transformers")
@@ -158,9 +162,10 @@ def decode(
     completion's arithmetic, and ``generate`` repeats it per sample. ``steps`` is ``max_new_tokens``
     unless every row emitted an EOS earlier. The loop runs in ``inference_mode`` (less per-operator
     bookkeeping than ``no_grad``); the IDs are copied out of it, because the update's autograd
-    forward takes them as input.
+    forward takes them as input. On CPU, a large model's linear layers run from weights packed for
+    the decode's row count (:func:`comlrl.rollout.packed_weights.packed_linears`).
     """
-    with torch.inference_mode():
+    with torch.inference_mode(), packed_linears(model, prompt_ids.shape[0] * num_generations):
         tokens = _decode_loop(model, prompt_ids, prompt_mask, sampling, eos_token_ids, pad_token_id, generator,
                               num_generations)
     return tokens.clone()
