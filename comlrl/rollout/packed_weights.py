@@ -28,8 +28,6 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from comlrl.models.lora import is_peft_model
-
 logger = logging.getLogger(__name__)
 
 # Linear weights below this size stay in a CPU's caches between decode steps: no gain from packing.
@@ -45,7 +43,7 @@ def packing_supported() -> bool:
 
 def packable_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The CPU linear layers of ``model`` whose weights can be packed (see the module docstring)."""
-    if is_peft_model(model):
+    if hasattr(model, "peft_config"):  # a peft (LoRA) model; the rollout layer does not import comlrl.models
         return []
     return [layer for layer in model.modules()
             if isinstance(layer, torch.nn.Linear) and "forward" not in vars(layer)
