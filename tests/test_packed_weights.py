@@ -138,3 +138,12 @@ def test_bf16_weights_are_packed_too_and_other_dtypes_are_not(model):
             torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2)
     model.to(torch.float64)
     assert packable_layers(model) == []
+
+
+def test_only_cpu_weights_are_packed(model):
+    """A GPU's matrix library has its own kernels: weights on any other device stay as they are
+    (the meta device stands in for one here)."""
+    layers = packable_layers(model)
+    assert layers
+    model.to("meta")
+    assert packable_layers(model) == []
