@@ -102,3 +102,39 @@ def test_the_user_script_of_record_runs_here_at_the_defaults(tiny_llama, config,
     result = json.loads(line.removeprefix("RESULT "))
     assert (result["per_device_train_batch_size"], result["optimizer_steps"]) == (batch, 2 * updates)
     assert 0 < result["train_s"] < result["script_s"] and result["peak_rss_mib"] > 0
+
+
+def test_step_split_counts_matrix_products_and_the_rest_inside_each_phase_only():
+    """``step_split.split`` (the fp32 step's "matrix products alone" figure): products and other operators
+    are summed by the phase label they ran under; work outside every label is not counted."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import step_split
+
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        with record_function("generation"):
+            for _ in range(20):
+                a @ b
+        with record_function("update"):
+            for _ in range(20):
+                (a + b).exp()
+        for _ in range(50):
+            a @ b  # outside both phases
+    totals = step_split.split(profiler)
+    generation, update = totals["generation"], totals["update"]
+    assert generation["matmul"] > 0 and update["matmul"] == 0
+    assert update["other"] > 0
+    assert generation["other"] < generation["matmul"]  # the label's own bookkeeping is all that is not a product
+    mm_seconds = sum(e.self_cpu_time_total for e in profiler.events() if e.name == "aten::mm") / 1e6
+    assert generation["matmul"] < mm_seconds  # the 50 products outside the labels are left out
+
+    def descendants(event):
+        for child in event.cpu_children:
+            yield child
+            yield from descendants(child)
+
+    label = next(e for e in profiler.events() if e.name == "generation")
+    in_label = sum(e.self_cpu_time_total for e in descendants(label) if e.name in step_split.MATMULS) / 1e6
+    assert generation["matmul"] == pytest.approx(in_label, rel=1e-6)  # the profiler's own tree agrees
