@@ -1,6 +1,7 @@
 """Packed decode weights (comlrl.rollout.packed_weights): what runs from the packed copy, that its
 products are the usual ones up to rounding, that nothing of it outlives the block, and when it stays off."""
 
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -147,3 +148,14 @@ def test_only_cpu_weights_are_packed(model):
     assert layers
     model.to("meta")
     assert packable_layers(model) == []
+
+
+def test_no_copy_is_made_when_too_little_memory_is_free(model, monkeypatch):
+    size = sum(layer.weight.numel() * layer.weight.element_size() for layer in linear_layers(model))
+    free = psutil.virtual_memory().available
+    monkeypatch.setattr(packed_weights, "MEMORY_HEADROOM", 2 * free / size)  # would need twice what is free
+    with torch.inference_mode(), packed_linears(model, rows=4, min_bytes=0) as count:
+        assert count == 0
+    monkeypatch.setattr(packed_weights, "MEMORY_HEADROOM", free / size / 2)  # needs half of what is free
+    with torch.inference_mode(), packed_linears(model, rows=4, min_bytes=0) as count:
+        assert count == len(linear_layers(model))

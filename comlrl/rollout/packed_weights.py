@@ -14,7 +14,9 @@ not already wrapped by another forward (accelerate's hooks), and models whose li
 :data:`PACK_MIN_BYTES`: on smaller models the weights stay in cache and packing pays nothing. Not
 LoRA (peft) models: their resident memory is one copy of the frozen weights, and the packed copy
 would add as much again while a decode runs (full fine-tuning's update holds gradients and AdamW
-state, more than the copy, so its peak does not move). Layers run from the packed
+state, more than the copy, so its peak does not move). Nor when less than twice the copy's size is
+free (:data:`MEMORY_HEADROOM`): generating from a large model with nothing else beside it would
+otherwise need twice its weights' memory. Layers run from the packed
 copy only for inputs of at most the decode's row count (the prefill's longer input takes the
 usual path). The products equal the usual ones up to float rounding in the last bits.
 """
@@ -25,6 +27,7 @@ import contextlib
 import logging
 from typing import Iterator
 
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +36,9 @@ logger = logging.getLogger(__name__)
 # Linear weights below this size stay in a CPU's caches between decode steps: no gain from packing.
 PACK_MIN_BYTES = 64 * 2**20
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# The copy is made only when this many times its size is free: it must not push a machine that is
+# near its memory limit (inference of a large model, no optimizer state beside it) into swap.
+MEMORY_HEADROOM = 2.0
 
 
 def packing_supported() -> bool:
@@ -64,11 +70,15 @@ def _forward_from(layer: torch.nn.Linear, packed: torch.Tensor, rows: int):
 def packed_weights(model: torch.nn.Module, rows: int, min_bytes: int | None = None
                    ) -> list[tuple[torch.nn.Linear, torch.Tensor]]:
     """Each packable layer with its weight packed for ``rows`` rows; none when the build lacks the
-    operators, the weights are under ``min_bytes`` (default :data:`PACK_MIN_BYTES`), or a weight
-    cannot be packed."""
+    operators, the weights are under ``min_bytes`` (default :data:`PACK_MIN_BYTES`), less than
+    :data:`MEMORY_HEADROOM` times their size is free, or a weight cannot be packed."""
     min_bytes = PACK_MIN_BYTES if min_bytes is None else min_bytes
     layers = packable_layers(model) if packing_supported() else []
-    if sum(layer.weight.numel() * layer.weight.element_size() for layer in layers) < min_bytes:
+    size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    if size < min_bytes or not layers:
+        return []
+    if psutil.virtual_memory().available < MEMORY_HEADROOM * size:
+        logger.debug("decode weights not packed: %d MiB would leave too little memory free", size >> 20)
         return []
     try:
         return [(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows)) for layer in layers]
