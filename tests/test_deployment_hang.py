@@ -20,7 +20,7 @@ import pytest
 
 from flows.orchestrator import CLIENT_BOUNDS, DRAIN_TIMEOUT
 from test_prefect_hang import client_env
-from test_prefect_outage import EPOCHS, ROOT, kill_group, post_json, project, start_prefect, wait_up  # noqa: F401
+from test_prefect_outage import EPOCHS, ROOT, kill_group, project, start_prefect, wait_up  # noqa: F401
 from test_servers import get_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -58,7 +58,7 @@ def test_a_deployment_run_with_a_hung_server_exits_in_bounded_time_and_resume_fi
             except Exception:
                 assert runner.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
                 time.sleep(0.5)
-        post_json(f"{api}/deployments/{deployment['id']}/create_flow_run", {})
+        get_json(f"{api}/deployments/{deployment['id']}/create_flow_run", {})
         while not list(workdir.glob("runs/*/checkpoints/checkpoint-1")):  # boundary 1 committed: the server hangs
             assert runner.poll() is None and time.monotonic() < deadline + 240, \
                 (tmp_path / "serve.log").read_text()[-3000:]

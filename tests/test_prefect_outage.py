@@ -30,6 +30,7 @@ from comlrl.tasks.letters import write_dataset
 from flows import orchestrator
 from flows.orchestrator import DRAIN_TIMEOUT, EXIT_ORCHESTRATOR_UNREACHABLE
 from letters_spec import letters_spec
+from test_servers import get_json
 
 ROOT = Path(__file__).resolve().parent.parent
 EPOCHS = 3
@@ -69,12 +70,6 @@ def kill_group(process: subprocess.Popen) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-
-
-def post_json(url: str, body: dict) -> list:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
 
 
 @pytest.fixture
@@ -146,11 +141,11 @@ def test_a_prefect_outage_ends_the_process_in_bounded_time_and_resume_finishes_t
         assert "Beginning subflow run" not in resumed.stdout + resumed.stderr, resumed.stderr[-4000:]
         # The interrupted flow run, left "Running" by the outage, is closed by the resume as Crashed,
         # naming the flow run that resumed it; so is any boundary subflow it left unfinished.
-        runs = post_json(f"{api_after}/flow_runs/filter", {"flow_runs": {"name": {"any_": ["outage-run"]}}})
+        runs = get_json(f"{api_after}/flow_runs/filter", {"flow_runs": {"name": {"any_": ["outage-run"]}}})
         states = {run["state_type"]: run for run in runs}
         assert sorted(states) == ["COMPLETED", "CRASHED"], [(run["id"], run["state_type"]) for run in runs]
         assert f"({states['COMPLETED']['id']}) resumed the run" in states["CRASHED"]["state"]["message"]
-        everything = post_json(f"{api_after}/flow_runs/filter", {"limit": 50})
+        everything = get_json(f"{api_after}/flow_runs/filter", {"limit": 50})
         assert not [run["name"] for run in everything if run["state_type"] in ("RUNNING", "PENDING")], everything
     finally:
         if run is not None and run.poll() is None:  # the bug this test is about: a run that never exits

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from contextlib import contextmanager
@@ -34,11 +35,21 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def get_json(url: str, body: dict | None = None) -> dict:
+def get_json(url: str, body: dict | None = None, busy_for: float = 60.0) -> dict:
+    """GET ``url`` (POST ``body`` when given) and decode the JSON answer. A 503 (a server whose database is
+    busy, as SQLite is under a loaded machine's writes) is asked again for up to ``busy_for`` seconds, as
+    Prefect's and MLflow's own clients do."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
+    deadline = time.monotonic() + busy_for
+    while True:
+        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            if error.code != 503 or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
 
 
 def wait_until_answers(url: str, process: subprocess.Popen, why, timeout: float = 150.0) -> None:
