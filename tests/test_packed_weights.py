@@ -159,3 +159,14 @@ def test_no_copy_is_made_when_too_little_memory_is_free(model, monkeypatch):
     monkeypatch.setattr(packed_weights, "MEMORY_HEADROOM", free / size / 2)  # needs half of what is free
     with torch.inference_mode(), packed_linears(model, rows=4, min_bytes=0) as count:
         assert count == len(linear_layers(model))
+
+
+class SubclassedTensor(torch.Tensor):
+    """A tensor subclass, as FSDP's sharded DTensor parameters are."""
+
+
+def test_weights_held_in_a_tensor_subclass_are_not_packed(model):
+    layer = linear_layers(model)[0]
+    layer.weight = torch.nn.Parameter(torch.Tensor._make_subclass(SubclassedTensor, layer.weight.detach()))
+    assert layer not in packable_layers(model)
+    assert len(packable_layers(model)) == len(linear_layers(model)) - 1

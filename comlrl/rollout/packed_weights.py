@@ -9,8 +9,8 @@ instead of 3.9 s, packing included; ``benchmarks/README.md``, "packed decode wei
 costs one read and one write of the weights per decode call and holds one more copy of one
 model's linear weights while that call runs; it is dropped when the call returns.
 
-Where it applies: CPU, float32 or bfloat16 weights, torch built with oneDNN, ``nn.Linear`` layers
-not already wrapped by another forward (accelerate's hooks), and models whose linear weights reach
+Where it applies: CPU, float32 or bfloat16 weights held as plain tensors (not FSDP's shards), torch
+built with oneDNN, ``nn.Linear`` layers not already wrapped by another forward (accelerate's hooks), and models whose linear weights reach
 :data:`PACK_MIN_BYTES`: on smaller models the weights stay in cache and packing pays nothing. Not
 LoRA (peft) models: their resident memory is one copy of the frozen weights, and the packed copy
 would add as much again while a decode runs (full fine-tuning's update holds gradients and AdamW
@@ -53,6 +53,7 @@ def packable_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
         return []
     return [layer for layer in model.modules()
             if isinstance(layer, torch.nn.Linear) and "forward" not in vars(layer)
+            and type(layer.weight.detach()) is torch.Tensor  # not FSDP's sharded DTensors, nor other subclasses
             and layer.weight.device.type == "cpu" and layer.weight.dtype in PACKABLE_DTYPES]
 
 
@@ -82,7 +83,7 @@ def packed_weights(model: torch.nn.Module, rows: int, min_bytes: int | None = No
         return []
     try:
         return [(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows)) for layer in layers]
-    except RuntimeError as error:  # a dtype or shape this build's oneDNN does not pack: the usual path for all
+    except (RuntimeError, NotImplementedError) as error:  # a weight this build's oneDNN does not pack: the usual path
         logger.debug("decode weights not packed (%s); decoding with the usual matrix products", error)
         return []
 
