@@ -34,6 +34,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from comlrl.parallel import sharding  # noqa: E402
 from comlrl.rollout.episodes import Rollout, Turn  # noqa: E402
 from comlrl.rollout.generation import Generation, generate_completions  # noqa: E402
+from comlrl.rollout.packed_weights import packable_layers  # noqa: E402
 from comlrl.rollout.sampling import SamplingParams  # noqa: E402
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer  # noqa: E402
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
@@ -517,6 +518,8 @@ def main(model_dir: str, prompts_file: str, out_dir: str, resume: str | None = N
     sharded = trainer.data_parallel.fsdp is not None
     assert sharded == (os.environ.get("ACCELERATE_USE_FSDP") == "true")
     assert all(sharding.is_sharded(agent) == sharded for agent in trainer.agents)
+    if sharded:  # FSDP gathers each layer's weights inside its forward: no packed decode copy of a shard
+        assert all(packable_layers(agent) == [] for agent in trainer.agents)
     history = trainer.train(checkpoint_dir=out / "checkpoints")
     weights = full_weights(trainer)
     if trainer.data_parallel.is_main:

@@ -117,3 +117,28 @@ def test_deepspeed_launches_are_refused_clearly(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ValueError, match="accelerate DeepSpeed config.*fsdp.yaml.*multi_gpu.yaml"):
         check_launch()
+
+
+LEAVES_GROUP = """
+import atexit, pathlib, sys
+import torch.distributed as dist
+from comlrl.parallel import distributed
+out = pathlib.Path(sys.argv[1])
+# Registered before the library joins the group, so it runs after the library's own exit handler.
+atexit.register(lambda: (out / f"rank{rank}.txt").write_text(str(dist.is_initialized())))
+data_parallel = distributed.current()
+rank = data_parallel.rank
+assert dist.is_initialized() and data_parallel.world_size == 2
+"""
+
+
+def test_the_process_group_the_library_joined_is_destroyed_at_exit(tmp_path):
+    """Left to the interpreter's teardown, gloo can abort a finished process (exit -6)."""
+    script = tmp_path / "leaves_group.py"
+    script.write_text(LEAVES_GROUP)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), str(script), str(tmp_path)]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(tmp_path / f"rank{rank}.txt").read_text() for rank in range(2)] == ["False", "False"]

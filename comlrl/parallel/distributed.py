@@ -15,6 +15,7 @@ replicating them (comlrl/parallel/sharding.py); the data still splits as above. 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass
@@ -160,6 +161,14 @@ def check_launch() -> sharding.FSDPSettings | None:
     return sharding.FSDPSettings.from_environment()
 
 
+def leave_group() -> None:
+    """Destroy the process group this library joined, at the process's exit. Left to the interpreter's
+    teardown, gloo's worker threads can be destroyed while joinable, and the process then aborts
+    ("terminate called without an active exception", exit -6) after its work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def current() -> DataParallel:
     """The data-parallel launch of this process, joining its process group on first use.
 
@@ -173,6 +182,7 @@ def current() -> DataParallel:
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend=backend)
+        atexit.register(leave_group)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         logger.info("joined a %s process group: rank %d of %d", backend, dist.get_rank(), dist.get_world_size())

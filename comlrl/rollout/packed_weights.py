@@ -9,8 +9,8 @@ instead of 3.9 s, packing included; ``benchmarks/README.md``, "packed decode wei
 costs one read and one write of the weights per decode call and holds one more copy of one
 model's linear weights while that call runs; it is dropped when the call returns.
 
-Where it applies: CPU, float32 or bfloat16 weights held as plain tensors (not FSDP's shards), torch
-built with oneDNN, ``nn.Linear`` layers not already wrapped by another forward (accelerate's hooks), and models whose linear weights reach
+Where it applies: CPU, float32 or bfloat16 weights held as plain tensors, models not sharded by FSDP
+(whose weights are gathered layer by layer inside the forward), torch built with oneDNN, ``nn.Linear`` layers not already wrapped by another forward (accelerate's hooks), and models whose linear weights reach
 :data:`PACK_MIN_BYTES`: on smaller models the weights stay in cache and packing pays nothing. Not
 LoRA (peft) models: their resident memory is one copy of the frozen weights, and the packed copy
 would add as much again while a decode runs (full fine-tuning's update holds gradients and AdamW
@@ -31,6 +31,8 @@ import psutil
 import torch
 import torch.nn.functional as F
 
+from comlrl.parallel import sharding
+
 logger = logging.getLogger(__name__)
 
 # Linear weights below this size stay in a CPU's caches between decode steps: no gain from packing.
@@ -49,11 +51,11 @@ def packing_supported() -> bool:
 
 def packable_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The CPU linear layers of ``model`` whose weights can be packed (see the module docstring)."""
-    if hasattr(model, "peft_config"):  # a peft (LoRA) model; the rollout layer does not import comlrl.models
+    if hasattr(model, "peft_config") or sharding.holds_shards(model):  # peft (LoRA): comlrl.models is a layer up
         return []
     return [layer for layer in model.modules()
             if isinstance(layer, torch.nn.Linear) and "forward" not in vars(layer)
-            and type(layer.weight.detach()) is torch.Tensor  # not FSDP's sharded DTensors, nor other subclasses
+            and type(layer.weight) in (torch.nn.Parameter, torch.Tensor)  # not a tensor subclass (a DTensor shard)
             and layer.weight.device.type == "cpu" and layer.weight.dtype in PACKABLE_DTYPES]
 
 
@@ -82,7 +84,7 @@ def packed_weights(model: torch.nn.Module, rows: int, min_bytes: int | None = No
         logger.debug("decode weights not packed: %d MiB would leave too little memory free", size >> 20)
         return []
     try:
-        return [(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows)) for layer in layers]
+        return [(layer, torch.ops.mkldnn._reorder_linear_weight(layer.weight, rows)) for layer in layers]
     except (RuntimeError, NotImplementedError) as error:  # a weight this build's oneDNN does not pack: the usual path
         logger.debug("decode weights not packed (%s); decoding with the usual matrix products", error)
         return []
