@@ -9,16 +9,19 @@ instead of 3.9 s, packing included; ``benchmarks/README.md``, "packed decode wei
 costs one read and one write of the weights per decode call and holds one more copy of one
 model's linear weights while that call runs; it is dropped when the call returns.
 
-Where it applies: CPU, float32 or bfloat16 weights held as plain tensors, models not sharded by FSDP
-(whose weights are gathered layer by layer inside the forward), torch built with oneDNN, ``nn.Linear`` layers not already wrapped by another forward (accelerate's hooks), and models whose linear weights reach
-:data:`PACK_MIN_BYTES`: on smaller models the weights stay in cache and packing pays nothing. Not
-LoRA (peft) models: their resident memory is one copy of the frozen weights, and the packed copy
-would add as much again while a decode runs (full fine-tuning's update holds gradients and AdamW
-state, more than the copy, so its peak does not move). Nor when less than twice the copy's size is
-free (:data:`MEMORY_HEADROOM`): generating from a large model with nothing else beside it would
-otherwise need twice its weights' memory. Layers run from the packed
-copy only for inputs of at most the decode's row count (the prefill's longer input takes the
-usual path). The products equal the usual ones up to float rounding in the last bits.
+Where it applies: CPU, float32 or bfloat16 weights held as plain tensors, torch built with oneDNN,
+``nn.Linear`` layers not already wrapped by another forward (accelerate's hooks), and models whose
+linear weights reach :data:`PACK_MIN_BYTES`: on smaller models the weights stay in cache and
+packing pays nothing. Not models sharded by FSDP, whose weights are gathered layer by layer inside
+the forward. Not LoRA (peft) models: their resident memory is one copy of the frozen weights, and
+the packed copy would add as much again while a decode runs (full fine-tuning's update holds
+gradients and AdamW state, more than the copy, so its peak does not move). Nor when less than twice
+the copy's size is free (:data:`MEMORY_HEADROOM`): generating from a large model with nothing else
+beside it would otherwise need twice its weights' memory.
+
+Layers run from the packed copy only for inputs of at most the decode's row count (the prefill's
+longer input takes the usual path). The products equal the usual ones up to float rounding in the
+last bits.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def packed_weights(model: torch.nn.Module, rows: int, min_bytes: int | None = No
     min_bytes = PACK_MIN_BYTES if min_bytes is None else min_bytes
     layers = packable_layers(model) if packing_supported() else []
     size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
-    if size < min_bytes or not layers:
+    if size < min_bytes:
         return []
     if psutil.virtual_memory().available < MEMORY_HEADROOM * size:
         logger.debug("decode weights not packed: %d MiB would leave too little memory free", size >> 20)
