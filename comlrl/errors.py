@@ -54,3 +54,8 @@ class CheckpointWriteError(OSError):
 
     def __reduce__(self):
         return type(self), (self.checkpoint, self.file, self.cause, self.errno, self.last_good)
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox's isolation cannot run on this machine; the message names the missing mechanism and the
+    weaker mode a user may opt into (``isolation="rlimits"``). Raised before any program runs."""

@@ -4,7 +4,8 @@ layer back up to a higher one.
 Layers, lowest first (the README's architecture picture):
 
 0. ``comlrl/{errors,callbacks,config,progress,data,seeding,imports,tiny}.py`` — plain data and helpers
-1. ``algorithms``, ``parallel``, ``checkpointing``, ``tracking*``, ``tasks`` — maths, devices, files, records
+1. ``algorithms``, ``parallel``, ``checkpointing``, ``tracking*``, ``sandbox``, ``tasks`` — maths, devices, files,
+   records, the one door for untrusted code and the tasks above it
 2. ``rollout`` — sampling, generation, episodes, rewards, preference pairs
 3. ``models`` — loading entities, LoRA, value heads, the joint reward model
 4. ``training`` — log-probs, updates, optimizer steps, references, reward-model fit, the loop and its runs
@@ -23,7 +24,7 @@ LAYERS = {
     "errors": 0, "callbacks": 0, "config": 0, "progress": 0, "data": 0, "seeding": 0, "imports": 0, "tiny": 0,
     "executables": 0, "tokenizers": 0,
     "algorithms": 1, "parallel": 1, "checkpointing": 1, "tracking": 1, "tracking_spool": 1, "tracking_wandb": 1,
-    "tasks": 1, "rollout": 2, "models": 3, "training": 4, "trainers": 5, "team_model": 5, "utils": 6,
+    "sandbox": 1, "tasks": 1, "rollout": 2, "models": 3, "training": 4, "trainers": 5, "team_model": 5, "utils": 6,
 }
 
 

@@ -35,6 +35,22 @@ def group_relative_advantages(
     return torch.where((std > eps) & (kept >= 2), centered / (std + eps), torch.zeros_like(centered))
 
 
+def zero_variance_groups(returns: torch.Tensor) -> torch.Tensor:
+    """Which groups give a group baseline nothing to compare: ``[num_groups]`` booleans.
+
+    ``returns`` is ``[num_groups, group_size]``, as :func:`baseline_advantages` takes it. A group is
+    zero-variance when its kept returns are all exactly equal (tolerance 0: a scorer gives equal
+    outcomes bit-identical floats, and a tolerance would hide real if small differences), or when it
+    keeps fewer than two. NaN marks a dropped sample and is left out.
+    """
+    if returns.dim() != 2:
+        raise ValueError(f"returns must be [num_groups, group_size], got shape {tuple(returns.shape)}")
+    valid = ~torch.isnan(returns)
+    highest = torch.where(valid, returns, torch.full_like(returns, -torch.inf)).amax(dim=1)
+    lowest = torch.where(valid, returns, torch.full_like(returns, torch.inf)).amin(dim=1)
+    return (highest == lowest) | (valid.sum(dim=1) < 2)
+
+
 def joint_index(num_agents: int, num_generations: int, mode: str) -> torch.Tensor:
     """Which completion of each agent forms each joint sample: shape ``[num_joint, num_agents]``.
 

@@ -246,8 +246,14 @@ class JointReward:
         self._per_sample = set(state.get("per_sample", []))
 
     def drain_monitor_metrics(self) -> dict[str, float]:
-        """Means of the monitors since the last drain, as ``monitor/<name>`` metrics."""
+        """Means of the monitors since the last drain, as ``monitor/<name>`` metrics, and whatever a reward
+        function that reports more than its numbers gives back from its ``drain_metrics()`` (e.g. the coding
+        task's levels, ``coding/<level>``): called here, once per step and once per evaluation."""
         metrics = {f"monitor/{name}": sum(v) / len(v) for name, v in self._monitor_values.items() if v}
+        for func in self.funcs:
+            drain = getattr(func, "drain_metrics", None)
+            if callable(drain):
+                metrics.update({str(key): float(value) for key, value in drain().items()})
         for values in self._monitor_values.values():
             values.clear()
         return metrics

@@ -35,6 +35,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from comlrl.tasks.chat import chat_prompt
+
 WORD = re.compile(r"[a-z0-9']+")
 # Connectives that make an expansion read as connected prose; multi-word entries match as phrases.
 TRANSITIONS = (
@@ -145,11 +147,6 @@ def writing_reward(
 
 SUMMARY_INSTRUCTION = "Summarise this passage in one short sentence."
 EXPANSION_INSTRUCTION = "Retell this passage at greater length, adding vivid detail and varied vocabulary."
-
-
-def chat_prompt(instruction: str, passage: str) -> str:
-    """One user turn and the start of the assistant's, in SmolLM2's ChatML format."""
-    return f"<|im_start|>user\n{instruction}\n\n{passage}<|im_end|>\n<|im_start|>assistant\n"
 
 
 def summary_prompt(item: Mapping[str, Any]) -> str:

@@ -38,6 +38,12 @@ class MAGRPOConfig(RolloutConfig):
     policy_update_epochs: int = option(
         1, "Gradient passes over each rollout batch (>1 reuses samples off-policy); each pass is one micro-batch "
         "of gradient_accumulation_steps.", min=1)
+    skip_zero_variance_groups: bool = option(
+        False, "Leave out of the policy loss every group (the joint samples of one prompt, or of one node of a "
+        "later turn, that share a baseline) whose returns are all exactly equal (reward/zero_variance_groups, "
+        "logged always): its completions add no gradient and are not counted by the loss normaliser. A rollout "
+        "batch with no other group takes no backward pass and no optimizer step; its training step is still "
+        "counted, with metrics.")
 
     # Whether one model writes every role (CentralizedMAGRPOConfig), the only kind 'centralized' is for.
     writes_every_role = False
@@ -51,6 +57,10 @@ class MAGRPOConfig(RolloutConfig):
             problems.append(f"{type(self).__name__}.collaboration_mode='centralized': one model writing every role is "
                             "CentralizedMAGRPOConfig with CentralizedMAGRPOTrainer (run specs: algorithm: "
                             "magrpo_centralized)")
+        if self.skip_zero_variance_groups and self.num_generations < 2:
+            problems.append(f"{type(self).__name__}.skip_zero_variance_groups=True needs num_generations >= 2, got "
+                            f"num_generations={self.num_generations} (a group of one sample is always constant, so "
+                            "every sample would be skipped): raise num_generations or leave the option False")
         if self.num_generations < 2 and self.advantage_mode != "raw":
             problems.append(f"{type(self).__name__}.num_generations must be >= 2 {self._group_size_reason()}, "
                             f"got {self.num_generations}")

