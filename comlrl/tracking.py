@@ -465,6 +465,18 @@ def reward_curve(history: Sequence[dict[str, float]], path: str | Path, metric: 
     return path
 
 
+def write_table(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """``rows`` as a JSON table in the shape MLflow's ``log_table`` writes (``columns``, ``data``), which its UI
+    shows as a table; columns in first-seen order, a missing cell as null."""
+    import json
+
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    table = {"columns": columns, "data": [[row.get(column) for column in columns] for row in rows]}
+    path = Path(path)
+    path.write_text(json.dumps(table, indent=1, default=str), encoding="utf-8")
+    return path
+
+
 def agent_model_names(base: str, num_agents: int) -> list[str]:
     """Registered-model names, one per agent role."""
     return [f"{base}-agent-{index}" for index in range(num_agents)]

@@ -111,6 +111,14 @@ def log_artifacts(identity: dict[str, Any], files: list[tuple[str, str | None]])
         tracking.log_artifact(identity, path, artifact_path)
 
 
+@task(cache_policy=NO_CACHE, persist_result=False, task_run_name="save sample answers")
+def save_sample_table(trainer: Any, path: str) -> str | None:
+    """The answers the reward judged last, with their verdicts, as a table file (None when it keeps none)."""
+    reward = getattr(trainer, "reward", None)
+    rows = reward.sample_rows() if callable(getattr(reward, "sample_rows", None)) else []
+    return str(tracking.write_table(rows, path)) if rows else None
+
+
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="save preference pairs")
 def save_preference_pairs(pairs: Any, path: str) -> str:
     from comlrl.rollout import preferences

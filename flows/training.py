@@ -430,6 +430,9 @@ def run_files(session: Session, spec: RunSpec, run: RunPaths) -> list[tuple[str,
     files = [(curve, "plots"), (str(run.spec_copy), "spec"), (str(resolved), "spec")]
     files += [(str(path / "metadata.json"), f"checkpoints/{path.name}")
               for path in sorted(run.checkpoints.glob("checkpoint-*")) if (path / "metadata.json").is_file()]
+    samples = tasks.save_sample_table(quote(trainer), str(run.directory / "sample_answers.json"))
+    if samples is not None:  # rewards that keep what they judged (the coding task's programs and verdicts)
+        files.append((samples, "samples"))
     pairs = trainer.preference_pairs
     if pairs is not None and len(pairs):  # preference runs only: no such task elsewhere
         files.append((tasks.save_preference_pairs(quote(pairs), str(run.directory / "preference_pairs.parquet")),

@@ -239,12 +239,16 @@ def test_off_the_update_is_bitwise_the_one_without_the_groups(tiny_llama):
 
 
 def test_off_by_default_a_run_is_bitwise_the_same(tiny_llama):
-    """A run without the option and one with skip_zero_variance_groups=False: the same history and weights."""
+    """A run without the option and one with skip_zero_variance_groups=False: the same history (but for the
+    timings and the process's memory) and weights."""
     runs = [build(tiny_llama), build(tiny_llama, skip_zero_variance_groups=False)]
     histories = [trainer.train() for trainer in runs]
     timings = {"step_time", "generation_time", "reward_time", "update_time", "tokens_per_second"}
-    assert [{k: v for k, v in row.items() if k not in timings} for row in histories[0]] == \
-        [{k: v for k, v in row.items() if k not in timings} for row in histories[1]]
+
+    def deterministic(history):
+        return [{k: v for k, v in row.items() if k not in timings and not k.startswith("memory/")} for row in history]
+
+    assert deterministic(histories[0]) == deterministic(histories[1])
     assert bitwise_equal(weights(runs[0]), weights(runs[1]))
 
 

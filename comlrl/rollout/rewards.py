@@ -245,6 +245,16 @@ class JointReward:
         self.dropped = int(state["dropped"])
         self._per_sample = set(state.get("per_sample", []))
 
+    def sample_rows(self) -> list[dict[str, Any]]:
+        """Rows a reward function keeps about the answers it judged last (its ``sample_rows()``, e.g. the coding
+        task's programs with their verdicts), for a table a run logs; empty for plain functions."""
+        rows: list[dict[str, Any]] = []
+        for func in self.funcs:
+            keep = getattr(func, "sample_rows", None)
+            if callable(keep):
+                rows += [dict(row) for row in keep()]
+        return rows
+
     def drain_monitor_metrics(self) -> dict[str, float]:
         """Means of the monitors since the last drain, as ``monitor/<name>`` metrics, and whatever a reward
         function that reports more than its numbers gives back from its ``drain_metrics()`` (e.g. the coding

@@ -50,6 +50,8 @@ class RolloutConfig(ConfigBase):
     logging_steps: int = option(1, "Send averaged metrics to callbacks every N steps.", min=1)
     eval_interval: int | None = option(None, "Evaluate on eval_dataset every N steps (None or 0 = only when asked).",
                                        min=0, kind=int, optional=True)
+    eval_before_training: bool = option(False, "Evaluate once before the first step of a fresh run, logged at "
+                                        "step 0 (the untrained agents' point of the curve); a resume does not repeat it.")
     eval_num_samples: int = option(4, "Rows of eval_dataset used per evaluation.", min=1,
                                    says="eval_num_samples must be >= 0 in comlrl 1.4.3, here >= 1")
     device: str | list = option(

@@ -223,6 +223,14 @@ class EpochSteps(TrainingLoop):
     def _maybe_evaluate(self) -> None:
         interval = self.args.eval_interval
         if self.eval_dataset is not None and interval and self.state.global_step % interval == 0:
-            metrics = (self.evaluator or self.evaluate)()
-            self.evaluations.append((self.state.global_step, dict(metrics)))
-            dispatch(self.callbacks, "on_log", self, metrics, self.state.global_step)
+            self._record_evaluation()
+
+    def evaluate_before_training(self) -> None:
+        """A fresh run's step-0 evaluation when ``eval_before_training`` is set (recorded and logged like the others)."""
+        if self.eval_dataset is not None and getattr(self.args, "eval_before_training", False):
+            self._record_evaluation()
+
+    def _record_evaluation(self) -> None:
+        metrics = (self.evaluator or self.evaluate)()
+        self.evaluations.append((self.state.global_step, dict(metrics)))
+        dispatch(self.callbacks, "on_log", self, metrics, self.state.global_step)

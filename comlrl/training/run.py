@@ -117,12 +117,15 @@ class TrainingRun:
         runner = CheckpointRunner(trainer, checkpoint_dir=checkpoint_dir, checkpoint_interval=checkpoint_interval,
                                   resume_from_checkpoint=resume_from_checkpoint, save_total_limit=limit)
         try:
-            if runner.resume_path is None and trainer.state.global_step == 0 and trainer.state.boundaries == 0:
+            fresh = runner.resume_path is None and trainer.state.global_step == 0 and trainer.state.boundaries == 0
+            if fresh:
                 set_seed(trainer.args.seed)  # a fresh run is reproducible whatever ran before it
             runner.begin()
             trainer.data_parallel.seed(trainer.args.seed, trainer.state.global_step)
             trainer.on_run_begin(resuming=runner.resume_path is not None)
             dispatch(trainer.callbacks, "on_train_begin", trainer)
+            if fresh and hasattr(trainer, "evaluate_before_training"):
+                trainer.evaluate_before_training()  # forks the RNG: training draws the same numbers either way
             return cls(trainer, runner, progress_bar)
         except BaseException:
             runner.release()

@@ -43,6 +43,7 @@ def reward(completions_0: Sequence[str], completions_1: Sequence[str],
 
 reward.reward_range = REWARD_RANGE  # type: ignore[attr-defined]
 reward.drain_metrics = TASK.drain_metrics  # type: ignore[attr-defined]
+reward.sample_rows = TASK.sample_rows  # type: ignore[attr-defined]
 
 
 def aux_prompt(row: Mapping[str, Any]) -> str:

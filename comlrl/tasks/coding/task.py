@@ -91,6 +91,11 @@ class CodingTask:
             del self.samples[:-SAMPLES_KEPT]
         return [item.score.total for item in judged]
 
+    def sample_rows(self) -> list[dict[str, Any]]:
+        """The last :data:`SAMPLES_KEPT` judged answers: task, both agents' code, levels, per-test verdicts."""
+        with self._lock:
+            return [dict(row) for row in self.samples]
+
     def drain_metrics(self) -> dict[str, float]:
         """Means of each level since the last drain (``coding/<level>``) and the share of answers passing all tests."""
         with self._lock:
