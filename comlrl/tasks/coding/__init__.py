@@ -54,8 +54,7 @@ def aux_prompt(row: Mapping[str, Any]) -> str:
 
 def main_prompt(row: Mapping[str, Any]) -> str:
     """Agent 1's prompt (see :mod:`comlrl.tasks.coding.prompts`)."""
-    TASK.remember(row)
-    return prompts.main_prompt(row)
+    return prompts.main_prompt(row, TASK.remember(row))
 
 
 FORMATTERS = (aux_prompt, main_prompt)

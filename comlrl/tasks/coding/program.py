@@ -61,9 +61,18 @@ def described(error: SyntaxError) -> str:
 
 
 def syntax_error(code: str) -> str | None:
-    """Why ``code`` does not parse (``line N: message``), or None."""
+    """Why ``code`` does not compile (``line N: message``), or None. Compiling runs nothing, and it finds what
+    parsing alone lets through: a repeated argument, ``nonlocal`` with nothing to bind, a late ``__future__``."""
     tree = _parse(code)
-    return described(tree) if isinstance(tree, SyntaxError) else None
+    if isinstance(tree, SyntaxError):
+        return described(tree)
+    try:
+        compile(tree, "program.py", "exec", dont_inherit=True)
+    except SyntaxError as error:
+        return described(error)
+    except (ValueError, RecursionError, MemoryError) as error:
+        return str(error) or type(error).__name__
+    return None
 
 
 def without(code: str, name: str) -> str:

@@ -25,8 +25,13 @@ SHOWN_FAILURES = 2
 
 
 def signature(problem: Mapping[str, Any]) -> str:
-    """``(a: int, b: int) -> int``: the entry function's parameters and return annotation, from the prompt."""
-    for node in ast.parse(problem["prompt"]).body:
+    """``(a: int, b: int) -> int``: the entry function's parameters and return annotation, from the prompt
+    (``(...)`` when the prompt is not the problem's code, as in a second turn's feedback text)."""
+    try:
+        body = ast.parse(problem["prompt"]).body
+    except SyntaxError:
+        return "(...)"
+    for node in body:
         if isinstance(node, ast.FunctionDef) and node.name == problem["entry_point"]:
             returns = f" -> {ast.unparse(node.returns)}" if node.returns is not None else ""
             return f"({ast.unparse(node.args)}){returns}"
@@ -38,9 +43,11 @@ def aux_prompt(row: Mapping[str, Any]) -> str:
     return chat_prompt(AUX_INSTRUCTION, row["prompt"])
 
 
-def main_prompt(row: Mapping[str, Any]) -> str:
-    """Agent 1's prompt: the problem's entry function, which may call ``aux``."""
-    return chat_prompt(MAIN_INSTRUCTION.format(entry_point=row["entry_point"], signature=signature(row)), row["prompt"])
+def main_prompt(row: Mapping[str, Any], problem: Mapping[str, Any] | None = None) -> str:
+    """Agent 1's prompt: the problem's entry function, which may call ``aux``; ``problem`` (the original row)
+    gives the signature when ``row["prompt"]`` is a later turn's text."""
+    shown = signature(problem or row)
+    return chat_prompt(MAIN_INSTRUCTION.format(entry_point=row["entry_point"], signature=shown), row["prompt"])
 
 
 FORMATTERS = (aux_prompt, main_prompt)

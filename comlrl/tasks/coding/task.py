@@ -40,17 +40,24 @@ class CodingTask:
         self.executor = executor or Executor()
         self._levels: dict[str, list[float]] = {level: [] for level in LEVELS}
         self._all_passed: list[float] = []
-        self._problems: OrderedDict[str, Mapping[str, Any]] = OrderedDict()
+        self._problems: OrderedDict[str, Mapping[str, Any]] = OrderedDict()  # by the problem's own prompt
+        self._by_task: dict[str, Mapping[str, Any]] = {}
         self.samples: list[dict[str, Any]] = []  # the latest judged answers, for a table of programs and verdicts
         self._lock = threading.Lock()
 
-    def remember(self, problem: Mapping[str, Any]) -> None:
-        """Note a problem by its prompt text, which is all a transition is given of its row."""
+    def remember(self, problem: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Note a problem by its prompt text, which is all a transition is given of its row, and return the
+        problem as first seen: a later turn's row (its ``prompt`` the feedback text) does not replace it."""
         with self._lock:
-            self._problems[problem["prompt"]] = dict(problem)
-            self._problems.move_to_end(problem["prompt"])
+            known = self._by_task.get(problem["task_id"])
+            if known is not None:
+                return known
+            known = self._by_task[problem["task_id"]] = dict(problem)
+            self._problems[problem["prompt"]] = known
             while len(self._problems) > 4096:
-                self._problems.popitem(last=False)
+                _, dropped = self._problems.popitem(last=False)
+                self._by_task.pop(dropped["task_id"], None)
+            return known
 
     def judge_many(self, problems: Sequence[Mapping[str, Any]], aux: Sequence[str], main: Sequence[str]) -> list[Judged]:
         """Judge joint answers; the programs that reach the tests level run in the sandbox together."""
