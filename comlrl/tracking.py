@@ -45,8 +45,8 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from comlrl.executables import executable
 from comlrl.callbacks import TrainerCallback
-from comlrl.tracking_spool import (CALL_THREAD, Sender, Spool, SpoolBusy, SpoolDamaged, SpoolError, find_spools,
-                                   mlflow_client, permanent_error, replay)
+from comlrl.tracking_spool import (CALL_THREAD, Damaged, Sender, Spool, SpoolBusy, SpoolDamaged, SpoolError,
+                                   find_spools, mlflow_client, permanent_error, replay)
 
 logger = logging.getLogger(__name__)
 
@@ -436,16 +436,35 @@ def close_all(timeout: float | None = None, warn: bool = True) -> bool:
 atexit.register(close_all)
 
 
+def logged_metrics(callback: MLflowCallback, prefix: str = "") -> dict[str, list[tuple[int, float]]]:
+    """``key -> [(step, value), ...]`` (by step) of every metric named ``prefix...`` in the run's spool: what
+    every process of the run logged, delivered or not, each (key, step) once (see :class:`MLflowCallback`),
+    so the MLflow run's metric history whatever crashes and resumes came between."""
+    points: dict[str, list[tuple[int, float]]] = {}
+    for _, record in callback.spool.entries(callback.spool.header_end):
+        if isinstance(record, Damaged):
+            continue
+        for key, value, _, step in record.get("metrics", ()):
+            if key.startswith(prefix):
+                points.setdefault(key, []).append((int(step), float(value)))
+    return {key: sorted(values, key=lambda point: point[0]) for key, values in points.items()}
+
+
+def training_points(history: Sequence[dict[str, float]], metric: str = "reward_mean") -> list[tuple[int, float]]:
+    """``(step, value)`` of ``metric`` in every row of ``history`` that has it: the training curve."""
+    return [(row["step"], row[metric]) for row in history if metric in row and "step" in row]
+
+
 def reward_curve(history: Sequence[dict[str, float]], path: str | Path, metric: str = "reward_mean",
                  evaluations: Sequence[tuple[int, float]] = ()) -> Path:
-    """A PNG of ``metric`` over the steps of ``history``, and of ``evaluations`` (``(step, eval reward)``
-    pairs, one per evaluation) on the same axes."""
+    """A PNG of ``metric`` over the steps of ``history`` (:func:`training_points`), and of ``evaluations``
+    (``(step, eval reward)`` pairs, one per evaluation) on the same axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot
 
-    points = [(row["step"], row[metric]) for row in history if metric in row and "step" in row]
+    points = training_points(history, metric)
     figure, axes = pyplot.subplots(figsize=(6, 3.5))
     if points:
         axes.plot([s for s, _ in points], [v for _, v in points], marker=".", linewidth=1, label=f"{metric} (train)")

@@ -8,12 +8,14 @@ pipes, so the work happens in the sandboxed worker processes.
 from __future__ import annotations
 
 import os
+import queue
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
 from comlrl.sandbox import isolation as mechanisms
 from comlrl.sandbox.limits import ISOLATIONS, SandboxLimits, SandboxResult
 from comlrl.sandbox.process import run_program
+from comlrl.sandbox.warm import WarmSlot
 
 
 class Sandbox:
@@ -30,7 +32,7 @@ class Sandbox:
     """
 
     def __init__(self, workers: int | None = None, *, isolation: str = "full", limits: SandboxLimits | None = None,
-                 **limit_fields: object) -> None:
+                 warm: bool = False, preload: Sequence[str] = (), **limit_fields: object) -> None:
         if isolation not in ISOLATIONS:
             raise ValueError(f"sandbox isolation must be one of {', '.join(map(repr, ISOLATIONS))}, got {isolation!r}")
         if limits is not None and limit_fields:
@@ -39,13 +41,27 @@ class Sandbox:
         workers = (os.cpu_count() or 1) if workers is None else workers
         if not isinstance(workers, int) or workers < 1 or workers > mechanisms.MAX_SLOTS:
             raise ValueError(f"sandbox workers must be an integer from 1 to {mechanisms.MAX_SLOTS}, got {workers!r}")
+        if warm and isolation != "full":
+            raise ValueError("warm workers need isolation='full' (the worker cleans up inside its own namespaces)")
         mechanisms.require(isolation)
         self.isolation = isolation
         self.workers = workers
+        self.warm = warm
         self._executor: ThreadPoolExecutor | None = None
+        self._warm_slots: queue.Queue | None = None
+        if warm:  # each worker holds its slot (its uid) for the pool's lifetime
+            self._warm_slots = queue.Queue()
+            for _ in range(workers):
+                self._warm_slots.put(WarmSlot(mechanisms.SLOTS.acquire(), self.limits, tuple(preload)))
 
     def run(self, source: str, stdin: str | bytes = "") -> SandboxResult:
         """Run one program and return what it did; never raises for anything the program does."""
+        if self._warm_slots is not None:
+            worker = self._warm_slots.get()
+            try:
+                return worker.run(source, stdin)
+            finally:
+                self._warm_slots.put(worker)
         slot = mechanisms.SLOTS.acquire()
         try:
             return run_program(source, stdin, self.limits, self.isolation, slot)
@@ -67,6 +83,12 @@ class Sandbox:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._warm_slots is not None:
+            while not self._warm_slots.empty():
+                worker = self._warm_slots.get()
+                worker.close()
+                mechanisms.SLOTS.release(worker.slot)
+            self._warm_slots = None
 
     def __enter__(self) -> "Sandbox":
         return self

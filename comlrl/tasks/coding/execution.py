@@ -22,6 +22,9 @@ from comlrl.tasks.coding.problems import TestPlan, preamble, problem_imports, te
 
 HARNESS = Path(__file__).resolve().parent / "harness.py"
 HEADER = 12  # the harness's length prefix
+# What a warm worker imports once: the harness's own modules and those HumanEval's prompts import.
+PRELOAD = ("ctypes", "marshal", "select", "time", "typing", "math", "collections", "itertools", "functools",
+           "string", "random", "copy", "re", "hashlib")
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,12 @@ class Executor:
     """Runs programs' tests in a :class:`~comlrl.sandbox.Sandbox`, each (problem, program) once."""
 
     def __init__(self, *, workers: int | None = None, isolation: str = "full", timeout: float = 10.0,
-                 call_timeout: float = 3.0, memory_mb: int = 512, cache_size: int = 4096) -> None:
+                 call_timeout: float = 3.0, memory_mb: int = 512, cache_size: int = 4096, warm: bool | None = None) -> None:
         if not 0 < call_timeout <= timeout:
             raise ValueError(f"call_timeout must be in (0, timeout={timeout}], got {call_timeout}")
-        self.settings = dict(workers=workers, isolation=isolation, limits=SandboxLimits(timeout=timeout,
-                                                                                         memory_mb=memory_mb))
+        warm = isolation == "full" if warm is None else warm
+        self.settings = dict(workers=workers, isolation=isolation, warm=warm, preload=PRELOAD if warm else (),
+                             limits=SandboxLimits(timeout=timeout, memory_mb=memory_mb))
         self.call_timeout = call_timeout
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Execution] = OrderedDict()

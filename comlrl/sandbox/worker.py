@@ -1,0 +1,270 @@
+"""A warm worker: one long-lived interpreter inside a slot's sandbox that runs that slot's programs one at a time
+(run inside the sandbox; the trainer never imports it).
+
+``python -I -S worker.py MODULE ...`` imports the modules named (those the programs will import anyway), then
+reads jobs from its standard input (length-prefixed ``marshal`` of ``(source, stdin, limits, timeout,
+max_output)``, from the trainer) and answers each on its standard output as a line
+``STATUS TIMED_OUT TRUNCATED LEN_OUT LEN_ERR`` followed by both outputs (``STATUS`` the program's exit
+status, ``-N`` for signal N, ``-`` when the worker killed it), which the trainer parses without ``marshal``.
+
+Each program is a fresh child of the worker (``fork``): a new session, the kernel's limits set before its
+first line, its own scratch directory ``/sandbox/run`` as its working directory, its own pipes for its
+three streams. When it ends (or at its deadline, or when its output passes the cap) every other process
+in the sandbox is killed, double-forked and ``setsid`` ones included (``kill(-1)``, repeated until only the
+worker and bubblewrap's init are left; the worker is their subreaper), everything the program wrote is
+removed (``/sandbox`` and ``/dev/shm``), and System V IPC objects it made are deleted. So programs of one
+slot never overlap and nothing of one is left for the next. The worker cannot be read or traced by them
+(not dumpable); one that kills or stops the worker ends the slot, which the trainer then starts anew.
+"""
+
+import marshal
+import os
+import resource
+import select
+import signal
+import sys
+import time
+
+HEADER = 12
+SCRATCH = "/sandbox"
+RUN = "/sandbox/run"
+CODE_CACHE = {}  # source -> compiled code: the same harness text is compiled once per worker
+
+
+def read_exactly(count):
+    chunks, left = [], count
+    while left:
+        chunk = os.read(0, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def receive():
+    header = read_exactly(HEADER)
+    if header is None:
+        return None
+    return marshal.loads(read_exactly(int(header)))
+
+
+def send(answer):
+    """``STATUS TIMED_OUT TRUNCATED LEN_OUT LEN_ERR\n`` then both outputs: plain text the trainer parses itself."""
+    status, out, err, timed_out, truncated = answer
+    data = b"%s %d %d %d %d\n" % (b"-" if status is None else b"%d" % status, timed_out, truncated, len(out),
+                                   len(err)) + out + err
+    while data:
+        data = data[os.write(1, data):]
+
+
+def libc():
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def run_child(code, stdin_read, out_write, err_write, limits):
+    """In the forked child: become the program (never returns)."""
+    try:
+        os.setsid()
+        for fd, target in ((stdin_read, 0), (out_write, 1), (err_write, 2)):
+            os.dup2(fd, target)
+        os.closerange(3, 1 << 16)
+        os.chdir(RUN)
+        for name, value in limits.items():
+            resource.setrlimit(getattr(resource, name), (value, value))
+        sys.argv = ["main.py"]
+        sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+        sys.stdout = open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+        sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+        status = 0
+        try:
+            exec(code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
+        except SystemExit as ended:
+            code_given = ended.code
+            if code_given is None:
+                status = 0
+            elif isinstance(code_given, int):
+                status = code_given & 0xFF
+            else:
+                print(code_given, file=sys.stderr)
+                status = 1
+        except BaseException:
+            sys.__excepthook__(*sys.exc_info())
+            status = 1
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        os._exit(status)
+    except BaseException:
+        os._exit(1)
+
+
+def others_left():
+    me = os.getpid()
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) not in (1, me)]
+
+
+def kill_all():
+    """Kill every process in the sandbox but the worker and bubblewrap's init, and reap them."""
+    for _ in range(100):
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        reap()
+        if not others_left():
+            return
+        time.sleep(0.001)
+
+
+def reap():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def wipe(path, keep_root=True):
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        if os.path.isdir(full) and not os.path.islink(full):
+            os.chmod(full, 0o700)
+            wipe(full, keep_root=False)
+        else:
+            os.unlink(full)
+    if not keep_root:
+        os.rmdir(path)
+
+
+def remove_ipc(c):
+    for kind, remover in (("shm", c.shmctl), ("msg", c.msgctl), ("sem", c.semctl)):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as table:
+                rows = table.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 1:
+                if kind == "sem":
+                    remover(int(fields[1]), 0, 0)  # IPC_RMID
+                else:
+                    remover(int(fields[1]), 0, None)
+
+
+def clean(c):
+    kill_all()
+    for place in (SCRATCH, "/dev/shm"):
+        if os.path.isdir(place):
+            wipe(place)
+    remove_ipc(c)
+
+
+def run_job(job, c):
+    source, stdin, limits, timeout, cap = job
+    code = CODE_CACHE.get(source)
+    if code is None:
+        try:
+            code = compile(source, "main.py", "exec", dont_inherit=True)
+        except (SyntaxError, ValueError) as error:
+            return (1, b"", f"SyntaxError: {error}\n".encode(), False, False)
+        if len(CODE_CACHE) < 8:
+            CODE_CACHE[source] = code
+    os.mkdir(RUN, 0o700)
+    stdin_read, stdin_write = os.pipe()
+    out_read, out_write = os.pipe()
+    err_read, err_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        run_child(code, stdin_read, out_write, err_write, limits)
+    for fd in (stdin_read, out_write, err_write):
+        os.close(fd)
+    deadline = time.monotonic() + timeout
+    collected = {out_read: bytearray(), err_read: bytearray()}
+    reading = set(collected)
+    pending = memoryview(stdin)
+    writing = set()
+    if pending:
+        os.set_blocking(stdin_write, False)
+        writing.add(stdin_write)
+    else:
+        os.close(stdin_write)
+    timed_out = truncated = False
+    status = None
+    while reading and not (timed_out or truncated):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        readable, writable, _ = select.select(list(reading), list(writing), [], min(left, 0.005))
+        if writable:
+            try:
+                pending = pending[os.write(stdin_write, pending[:1 << 16]):]
+            except BlockingIOError:
+                pass
+            except OSError:  # the program closed its input: the rest is not wanted
+                pending = pending[:0]
+            if not pending:
+                os.close(stdin_write)
+                writing.clear()
+        if status is None:
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:  # the program ended: what it left running ends with it, as a PID namespace's init would
+                status = os.waitstatus_to_exitcode(raw)
+                kill_all()
+        for fd in readable:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                os.close(fd)
+                reading.discard(fd)
+                continue
+            collected[fd].extend(chunk)
+            if len(collected[fd]) > cap:
+                del collected[fd][cap:]
+                truncated = True
+    if not (timed_out or truncated):
+        while status is None:  # the streams are closed: wait for the program itself
+            try:
+                done, raw = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if done:
+                status = os.waitstatus_to_exitcode(raw)
+            elif time.monotonic() > deadline:
+                timed_out = True
+                break
+            else:
+                time.sleep(0.0005)
+    for fd in reading | writing:
+        os.close(fd)
+    clean(c)
+    if timed_out or truncated:
+        status = None
+    return (status, bytes(collected[out_read]), bytes(collected[err_read]), timed_out, truncated)
+
+
+def main():
+    c = libc()
+    c.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: programs cannot read or trace the worker
+    c.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back here to be reaped
+    for name in sys.argv[1:]:
+        try:
+            __import__(name)
+        except ImportError:
+            pass
+    clean(c)
+    while True:
+        job = receive()
+        if job is None:
+            return
+        send(run_job(job, c))
+
+
+main()
