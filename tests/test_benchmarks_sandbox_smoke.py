@@ -60,8 +60,8 @@ def test_the_report_names_the_machine_the_goal_and_human_evals_exec(smoke_run):
     assert len(report["profile_one"]["pieces"]) == 8
     assert all(piece["wall_ms"] > 0 for piece in report["profile_one"]["pieces"].values())
     rows = [line for line in stdout.splitlines() if line.startswith("| ") and "programs/s" not in line]
-    assert [row.split(" | ")[0][2:] for row in rows[:4]] == list(sandbox_throughput.METHODS)
-    assert all(row.endswith(f"| yes ({PROBLEMS}/{PROBLEMS}) |") for row in rows[:4])
+    assert [row.split(" | ")[0][2:] for row in rows[:len(sandbox_throughput.METHODS)]] == list(sandbox_throughput.METHODS)
+    assert all(row.endswith(f"| yes ({PROBLEMS}/{PROBLEMS}) |") for row in rows[:len(sandbox_throughput.METHODS)])
     assert "UNSAFE" in stdout and "Goal >= 50 programs/s with full isolation: " in stdout
 
 
