@@ -52,10 +52,10 @@ class WarmSlot:
         if self.process is None:
             self.start()
         data = stdin.encode("utf-8") if isinstance(stdin, str) else bytes(stdin)
-        job = marshal.dumps((source, data, _kernel_limits(self.limits, self.uid), float(self.limits.timeout),
+        job = marshal.dumps((source, len(data), _kernel_limits(self.limits, self.uid), float(self.limits.timeout),
                              self.limits.max_output_bytes))
         try:
-            self._write_all(b"%0*d" % (HEADER, len(job)) + job)
+            self._write_all(b"%0*d" % (HEADER, len(job)) + job + data)
             answer = self._receive(started + self.limits.timeout + GRACE)
         except (OSError, ValueError, EOFError, TimeoutError) as error:
             timed_out = isinstance(error, TimeoutError)
@@ -73,22 +73,28 @@ class WarmSlot:
             view = view[os.write(self.process.stdin.fileno(), view):]
 
     def _receive(self, deadline: float) -> tuple:
-        """The worker's answer line and outputs (see :mod:`comlrl.sandbox.worker`); ValueError when malformed."""
+        """The worker's chunks and last line (see :mod:`comlrl.sandbox.worker`); ValueError when malformed."""
+        streams = {"O": bytearray(), "E": bytearray()}
+        while True:
+            fields = self._line(deadline).split()
+            if fields[:1] == ["S"] and len(fields) == 4 and fields[2] in "01" and fields[3] in "01" and (
+                    fields[1] == "-" or fields[1].lstrip("-").isdigit()):
+                status = None if fields[1] == "-" else int(fields[1])
+                return status, bytes(streams["O"]), bytes(streams["E"]), fields[2] == "1", fields[3] == "1"
+            if len(fields) != 2 or fields[0] not in streams or not fields[1].isdigit():
+                raise ValueError("the worker's answer is malformed")
+            stream, count = streams[fields[0]], int(fields[1])
+            if len(stream) + count > self.limits.max_output_bytes:
+                raise ValueError("the worker sent more output than the cap")
+            stream += self._read(count, deadline)
+
+    def _line(self, deadline: float) -> str:
         line = bytearray()
         while not line.endswith(b"\n"):
             line += self._read(1, deadline)
-            if len(line) > 100:
+            if len(line) > 64:
                 raise ValueError("the worker's answer is malformed")
-        fields = line.decode("ascii").split()
-        if len(fields) != 5 or not all(f.isdigit() for f in fields[1:]) or not (
-                fields[0] == "-" or fields[0].lstrip("-").isdigit()):
-            raise ValueError("the worker's answer is malformed")
-        status = None if fields[0] == "-" else int(fields[0])
-        lengths = int(fields[3]), int(fields[4])
-        if max(lengths) > self.limits.max_output_bytes:
-            raise ValueError("the worker's answer is malformed")
-        out, err = self._read(lengths[0], deadline), self._read(lengths[1], deadline)
-        return status, out, err, fields[1] == "1", fields[2] == "1"
+        return line.decode("ascii", "replace")
 
     def _read(self, count: int, deadline: float) -> bytes:
         import select

@@ -2,10 +2,13 @@
 (run inside the sandbox; the trainer never imports it).
 
 ``python -I -S worker.py MODULE ...`` imports the modules named (those the programs will import anyway), then
-reads jobs from its standard input (length-prefixed ``marshal`` of ``(source, stdin, limits, timeout,
-max_output)``, from the trainer) and answers each on its standard output as a line
-``STATUS TIMED_OUT TRUNCATED LEN_OUT LEN_ERR`` followed by both outputs (``STATUS`` the program's exit
-status, ``-N`` for signal N, ``-`` when the worker killed it), which the trainer parses without ``marshal``.
+reads jobs from its standard input: a length-prefixed ``marshal`` of ``(source, stdin_length, limits,
+timeout, max_output)`` from the trainer, then ``stdin_length`` bytes of the program's input. It answers
+each on its standard output with chunks of the program's output, ``O N`` or ``E N`` (stdout, stderr) each
+followed by N bytes, then ``S STATUS TIMED_OUT TRUNCATED`` (``STATUS`` the exit status, ``-N`` for signal
+N, ``-`` when the worker killed it), plain text the trainer parses without ``marshal``. The program's input
+and output move between pipes in the kernel (``splice``) and never enter the worker's memory, which every
+later program is forked from.
 
 Each program is a fresh child of the worker (``fork``): a new session, the kernel's limits set before its
 first line, its own scratch directory ``/sandbox/run`` as its working directory, its own pipes for its
@@ -50,10 +53,9 @@ def receive():
 
 
 def send(answer):
-    """``STATUS TIMED_OUT TRUNCATED LEN_OUT LEN_ERR\n`` then both outputs: plain text the trainer parses itself."""
-    status, out, err, timed_out, truncated = answer
-    data = b"%s %d %d %d %d\n" % (b"-" if status is None else b"%d" % status, timed_out, truncated, len(out),
-                                   len(err)) + out + err
+    """The job's last line, ``S STATUS TIMED_OUT TRUNCATED``: plain text the trainer parses itself."""
+    status, timed_out, truncated = answer
+    data = b"S %s %d %d\n" % (b"-" if status is None else b"%d" % status, timed_out, truncated)
     while data:
         data = data[os.write(1, data):]
 
@@ -167,16 +169,35 @@ def clean(c):
     remove_ipc(c)
 
 
-def run_job(job, c):
-    source, stdin, limits, timeout, cap = job
+def compiled(source):
     code = CODE_CACHE.get(source)
     if code is None:
-        try:
-            code = compile(source, "main.py", "exec", dont_inherit=True)
-        except (SyntaxError, ValueError) as error:
-            return (1, b"", f"SyntaxError: {error}\n".encode(), False, False)
+        code = compile(source, "main.py", "exec", dont_inherit=True)
         if len(CODE_CACHE) < 8:
             CODE_CACHE[source] = code
+    return code
+
+
+def emit(tag, relay, count):
+    """Pass ``count`` bytes from the ``relay`` pipe to the trainer behind a ``TAG COUNT`` line, in the kernel."""
+    data = b"%s %d\n" % (tag, count)
+    while data:
+        data = data[os.write(1, data):]
+    while count:
+        count -= os.splice(relay, 1, count)
+
+
+def run_job(job, c):
+    """Run one program; its input and output pass through the kernel (``splice``), never through this
+    process's memory, so what one program read or wrote is not in the memory the next one is forked from."""
+    source, stdin_length, limits, timeout, cap = job
+    try:
+        code = compiled(source)
+    except (SyntaxError, ValueError) as error:
+        drain(stdin_length)
+        message = f"SyntaxError: {error}\n".encode()
+        os.write(1, b"E %d\n" % len(message) + message)
+        return (1, False, False)
     os.mkdir(RUN, 0o700)
     stdin_read, stdin_write = os.pipe()
     out_read, out_write = os.pipe()
@@ -186,10 +207,12 @@ def run_job(job, c):
         run_child(code, stdin_read, out_write, err_write, limits)
     for fd in (stdin_read, out_write, err_write):
         os.close(fd)
+    relay_read, relay_write = os.pipe()
     deadline = time.monotonic() + timeout
-    collected = {out_read: bytearray(), err_read: bytearray()}
-    reading = set(collected)
-    pending = memoryview(stdin)
+    tags = {out_read: b"O", err_read: b"E"}
+    sent = {out_read: 0, err_read: 0}
+    reading = set(tags)
+    pending = stdin_length
     writing = set()
     if pending:
         os.set_blocking(stdin_write, False)
@@ -206,11 +229,12 @@ def run_job(job, c):
         readable, writable, _ = select.select(list(reading), list(writing), [], min(left, 0.005))
         if writable:
             try:
-                pending = pending[os.write(stdin_write, pending[:1 << 16]):]
+                pending -= os.splice(0, stdin_write, min(pending, 1 << 16))
             except BlockingIOError:
                 pass
             except OSError:  # the program closed its input: the rest is not wanted
-                pending = pending[:0]
+                drain(pending)
+                pending = 0
             if not pending:
                 os.close(stdin_write)
                 writing.clear()
@@ -220,15 +244,21 @@ def run_job(job, c):
                 status = os.waitstatus_to_exitcode(raw)
                 kill_all()
         for fd in readable:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
+            room = cap - sent[fd]
+            moved = os.splice(fd, relay_write, min(1 << 16, room + 1))
+            if not moved:
                 os.close(fd)
                 reading.discard(fd)
                 continue
-            collected[fd].extend(chunk)
-            if len(collected[fd]) > cap:
-                del collected[fd][cap:]
+            if moved > room:
                 truncated = True
+                drain_relay(relay_read, moved - room)  # the bytes past the cap are dropped
+                moved = room
+            if moved:
+                emit(tags[fd], relay_read, moved)
+            sent[fd] += moved
+    if pending:
+        drain(pending)
     if not (timed_out or truncated):
         while status is None:  # the streams are closed: wait for the program itself
             try:
@@ -242,12 +272,23 @@ def run_job(job, c):
                 break
             else:
                 time.sleep(0.0005)
-    for fd in reading | writing:
+    for fd in reading | writing | {relay_read, relay_write}:
         os.close(fd)
     clean(c)
-    if timed_out or truncated:
-        status = None
-    return (status, bytes(collected[out_read]), bytes(collected[err_read]), timed_out, truncated)
+    return (None if timed_out or truncated else status, timed_out, truncated)
+
+
+def drain(count):
+    """Discard ``count`` bytes of the trainer's input (a program that did not read all of it)."""
+    with open(os.devnull, "wb") as null:
+        while count:
+            count -= os.splice(0, null.fileno(), min(count, 1 << 16))
+
+
+def drain_relay(relay, count):
+    with open(os.devnull, "wb") as null:
+        while count:
+            count -= os.splice(relay, null.fileno(), count)
 
 
 def main():
