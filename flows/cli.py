@@ -5,7 +5,8 @@ Prefect and MLflow settings come from the environment (``PREFECT_API_URL``,
 mode and an MLflow SQLite store under the working directory (``--workdir``, default .comlrl).
 
 Exit statuses of ``run``/``resume``: 0 done; 1 training failed (the last completed step is checkpointed
-when the trainer's state allows it; MLflow run FAILED); 2 bad input (spec, run id, path); 69 the
+when the trainer's state allows it; MLflow run FAILED); 2 bad input (spec, run id, path, and what
+:mod:`flows.preflight` finds: data files, --workdir, servers); 69 the
 Prefect server became unreachable (checkpoints are safe; ``comlrl resume`` after a restart finishes
 the run, see :mod:`flows.orchestrator`); 75 the MLflow server did not take the run's records in
 time (training finished, agents not registered; they wait in the run's tracking spool for
@@ -73,6 +74,17 @@ def _bad_run_id(run_id: str | None) -> bool:
     return False
 
 
+def _refused_by_preflight(spec, workdir: str, root: str) -> bool:
+    """Print every problem of the data files, --workdir and servers (flows/preflight.py), one line each; whether
+    there was one."""
+    from flows.preflight import preflight
+
+    problems = preflight(spec, workdir, root)
+    for problem in problems:
+        print(f"comlrl: {problem}", file=sys.stderr)
+    return bool(problems)
+
+
 def run(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
     if _bad_run_id(args.run_id):
@@ -80,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     from flows.runs import apply_offline_defaults
 
     apply_offline_defaults()  # the run's hub setting judges the spec too (a hub id absent offline: exit 2 here)
-    if (spec := _load_spec(args.spec, root)) is None:
+    spec = _load_spec(args.spec, root)
+    if _refused_by_preflight(spec, args.workdir, root) or spec is None:  # before any server, MLflow run or model
         return 2
     configure(args.workdir)
     from flows.console import attach_bar
