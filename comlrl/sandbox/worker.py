@@ -14,10 +14,11 @@ Each program is a fresh child of the worker (``fork``): a new session, the kerne
 first line, its own scratch directory ``/sandbox/run`` as its working directory, its own pipes for its
 three streams. When it ends (or at its deadline, or when its output passes the cap) every other process
 in the sandbox is killed, double-forked and ``setsid`` ones included (``kill(-1)``, repeated until only the
-worker and bubblewrap's init are left; the worker is their subreaper), everything the program wrote is
+worker is left: it is the namespace's PID 1, so orphans come back to it), everything the program wrote is
 removed (``/sandbox`` and ``/dev/shm``), and System V IPC objects it made are deleted. So programs of one
 slot never overlap and nothing of one is left for the next. The worker cannot be read or traced by them
-(not dumpable); one that kills or stops the worker ends the slot, which the trainer then starts anew.
+(not dumpable), nor killed from inside (the kernel ignores signals a namespace's PID 1 did not ask for);
+one that stops it anyway ends the slot, which the trainer then starts anew.
 """
 
 import marshal
@@ -107,11 +108,11 @@ def run_child(code, stdin_read, out_write, err_write, limits):
 
 def others_left():
     me = os.getpid()
-    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) not in (1, me)]
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != me]
 
 
 def kill_all():
-    """Kill every process in the sandbox but the worker and bubblewrap's init, and reap them."""
+    """Kill every process in the sandbox but the worker (its PID 1), and reap them."""
     for _ in range(100):
         try:
             os.kill(-1, signal.SIGKILL)
@@ -294,7 +295,7 @@ def drain_relay(relay, count):
 def main():
     c = libc()
     c.prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: programs cannot read or trace the worker
-    c.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back here to be reaped
+    c.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans come back here to be reaped (it is PID 1 anyway)
     for name in sys.argv[1:]:
         try:
             __import__(name)

@@ -65,7 +65,7 @@ def harness_input(problem: Mapping[str, Any], program: str, call_timeout: float)
     plan = plan_for(problem["test"])
     statements = [(statement.source, statement.test) for statement in plan.statements]
     return (framed({"program": program, "entry_point": problem["entry_point"], "call_timeout": float(call_timeout),
-                    "imports": problem_imports(problem["prompt"])})
+                    "imports": problem_imports(problem["prompt"]), "harness": harness_source()})
             + framed({"preamble": preamble(problem), "module": plan.module, "statements": statements}))
 
 

@@ -6,7 +6,8 @@ Two processes, so that the code under test never shares memory with the tests:
   candidate's code. Its ``candidate`` is a proxy: each call sends the arguments to the server and waits.
 * the **server** (``serve``) runs the candidate program and answers calls of its entry function with the
   returned value. It is forked before the judge reads the tests, so their text and expected values are
-  not in its memory; a server restarted after a hang or a crash is a fresh interpreter (fork, then exec).
+  not in its memory; a server restarted after a hang or a crash is a fresh interpreter (fork, then exec of
+  :data:`BOOT`), which reads this file's text and the program from the judge.
 
 Arguments go to the server with ``marshal`` (the judge's own data). Answers come back in a small typed
 text format that only the builtin data types can take (``None``, ``bool``, ``int``, ``float``, ``str``,
@@ -21,7 +22,8 @@ standard streams are ``/dev/null``). A caller counts only the tests recorded as 
 killed or timed out credits nothing after the last line it wrote.
 
 Input on standard input: two length-prefixed ``marshal`` parts, ``{"program", "entry_point",
-"call_timeout", "imports"}`` (read before the server starts; ``imports`` are the problem's own modules,
+"call_timeout", "imports", "harness"}`` (read before the server starts; ``harness`` is this file's text, which a
+restarted server runs; ``imports`` are the problem's own modules,
 imported once before the fork so that neither process pays for ``typing`` twice), then ``{"preamble", "module", "statements"}`` with
 each statement a ``(source, is_test)`` pair. Only builtin modules are imported: the harness runs once
 per program, and an import of ``json`` or ``re`` would cost more than the tests.
@@ -210,19 +212,31 @@ def become_server(requests, replies, program, entry_point):
     serve(requests, replies, program, entry_point)
 
 
-def serve_fresh():
-    """``python harness.py serve R W``: a restarted server, a fresh interpreter that reads its program first."""
-    requests, replies = int(sys.argv[2]), int(sys.argv[3])
-    job = marshal.loads(receive(requests))
-    become_server(requests, replies, job["program"], job["entry_point"])
+# A restarted server's interpreter starts from this, then reads the harness's text and its program from the judge.
+BOOT = """import marshal, os, sys
+requests, replies = int(sys.argv[1]), int(sys.argv[2])
+def read(count):
+    data = b""
+    while len(data) < count:
+        chunk = os.read(requests, count - len(data))
+        if not chunk:
+            os._exit(0)
+        data += chunk
+    return data
+job = marshal.loads(read(int(read(12))))
+harness = {"__name__": "harness", "__builtins__": __builtins__}
+exec(compile(job["harness"], "harness.py", "exec"), harness)
+harness["become_server"](requests, replies, job["program"], job["entry_point"])
+"""
 
 
 # ------------------------------------------------------------------------------------------------ judge
 class Server:
     """The judge's side of the server: start, call, restart after a hang or a crash."""
 
-    def __init__(self, program, entry_point, call_timeout):
+    def __init__(self, program, entry_point, call_timeout, harness):
         self.program, self.entry_point, self.call_timeout = program, entry_point, call_timeout
+        self.harness = harness  # this file's text, for a restarted server (the judge may have no file to point at)
         self.pid = None
         self.calls = 0
 
@@ -234,14 +248,16 @@ class Server:
             os.close(from_judge)
             os.close(to_judge)
             if fresh:
-                os.execv(sys.executable, [sys.executable, "-I", "-S", os.path.abspath(sys.argv[0]), "serve",
-                                          str(to_server), str(from_server)])
+                os.set_inheritable(to_server, True)
+                os.set_inheritable(from_server, True)
+                os.execv(sys.executable, [sys.executable, "-I", "-S", "-c", BOOT, str(to_server), str(from_server)])
             become_server(to_server, from_server, self.program, self.entry_point)
         os.close(to_server)
         os.close(from_server)
         self.pid, self.requests, self.replies = pid, from_judge, to_judge
         if fresh:
-            send(self.requests, marshal.dumps({"program": self.program, "entry_point": self.entry_point}))
+            send(self.requests, marshal.dumps({"harness": self.harness, "program": self.program,
+                                               "entry_point": self.entry_point}))
 
     def stop(self):
         if self.pid is None:
@@ -309,7 +325,7 @@ def main():
             __import__(name)
         except ImportError:
             pass
-    server = Server(job["program"], job["entry_point"], float(job["call_timeout"]))
+    server = Server(job["program"], job["entry_point"], float(job["call_timeout"]), job["harness"])
     server.start(fresh=False)  # forked before the tests are read: they never reach its memory
     checks = marshal.loads(receive(0))
     namespace = {"__name__": "check", "__builtins__": __builtins__}
@@ -331,7 +347,4 @@ def main():
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["serve"]:
-        serve_fresh()
-    else:
-        main()
+    main()

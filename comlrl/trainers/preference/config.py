@@ -111,11 +111,15 @@ class MARLHFConfig(MAGRPOConfig):
     def _group_size_reason(self) -> str:
         return f"for MAGRPO-family MARLHF backends (the policy stage's {self.advantage_mode!r} group baseline)"
 
-    def _samples_per_update(self) -> int | None:
-        per_update = super()._samples_per_update()
-        if per_update is None or self.rl_algorithm == "magrpo":
-            return per_update
-        return per_update * self.num_generations
+    def _samples_per_prompt(self) -> int:
+        """As the policy stage's config counts them: one group for MAGRPO; for MAAC/IAC each of the policy
+        stage's completions of a prompt (``policy_overrides`` may change ``num_generations``), so a
+        ``rollout_buffer_size`` given alone maps to buffer / num_generations prompts as it does for IACConfig."""
+        if self.rl_algorithm == "magrpo":
+            return super()._samples_per_prompt()
+        overrides = self.policy_overrides if isinstance(self.policy_overrides, dict) else {}
+        generations = overrides.get("num_generations")
+        return generations if isinstance(generations, int) and generations >= 1 else self.num_generations
 
     def validate(self) -> list[str]:
         problems = super().validate()

@@ -14,6 +14,7 @@ while a stage is in progress, so a stop mid-stage resumes with it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import isnan
 from typing import Any
 
 
@@ -68,3 +69,20 @@ def pairwise_agreement(scores: Any, reference: Any) -> float:
                 total += 1
                 agree += int(bool(torch.sign(row_scores[i] - row_scores[j]) == torch.sign(difference)))
     return agree / total if total else float("nan")
+
+
+def revert_warning(iteration: int, before: float, after: float, agreement: float) -> str:
+    """The warning of a reverted policy stage: the task reward before and after, and how well the reward
+    model orders fresh samples (:func:`pairwise_agreement`). The revert is always reported; when no fresh
+    pair differed in task reward (agreement NaN) there is nothing to judge the reward model on, and the
+    warning says so instead of printing a percentage."""
+    head = (f"iteration {iteration}: the policy stage lowered the task reward on the guard's rows {before:.4f} -> "
+            f"{after:.4f}, so its weights are restored (policy_guard).")
+    if isnan(agreement):
+        return (f"{head} No fresh pair of samples differed in task reward, so how the reward model orders them "
+                "could not be judged; score more rows (policy_guard_rows) or sample more varied answers "
+                "(num_generations, temperature)")
+    return (f"{head} The reward model orders fresh samples as the task reward does in {100 * agreement:.0f}% of "
+            "pairs (50% is chance): a reward model near chance cannot teach the policy; collect more pairs "
+            "(preference_num_generations, max_pairs_per_prompt) or fit longer (reward_train_epochs, "
+            "reward_learning_rate)")

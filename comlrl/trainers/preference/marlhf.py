@@ -47,7 +47,7 @@ from comlrl.trainers.base import resolve_num_samples
 from comlrl.trainers.inputs import TrainerInputs, Unpack
 from comlrl.trainers.preference.comparators import build_comparator
 from comlrl.trainers.preference.config import MARLHFConfig
-from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows, pairwise_agreement
+from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows, pairwise_agreement, revert_warning
 from comlrl.trainers.preference.policy import critic_arguments, policy_classes, policy_config
 from comlrl.trainers.preference.iterative_config import options_of
 from comlrl.trainers.preference.reward_histogram import RewardHistogramNames
@@ -205,12 +205,7 @@ class MARLHFTrainer(PreferenceRounds):
         reverted = after["task_reward"] < before - self.args.policy_guard_tolerance
         agreement = after.get("reward_model_agreement", float("nan"))
         if reverted:
-            logger.warning(
-                "iteration %d: the policy stage lowered the task reward on the guard's rows %.4f -> %.4f, so its "
-                "weights are restored (policy_guard). The reward model orders fresh samples as the task reward does "
-                "in %.0f%% of pairs (50%% is chance): a reward model near chance cannot teach the policy; collect "
-                "more pairs (preference_num_generations, max_pairs_per_prompt) or fit longer (reward_train_epochs, "
-                "reward_learning_rate)", self.state.iteration, before, after["task_reward"], 100 * agreement)
+            logger.warning(revert_warning(self.state.iteration, before, after["task_reward"], agreement))
             self.guard.restore(self.policy_trainer)
         self.guard = None
         return {"policy/guard_task_reward_before": before, "policy/guard_task_reward_after": after["task_reward"],

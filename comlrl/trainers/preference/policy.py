@@ -23,7 +23,11 @@ def policy_classes(rl_algorithm: str) -> tuple[type, type]:
 
 
 def policy_config(args: Any, config_class: type) -> Any:
-    """The policy trainer's config: shared fields copied from ``args``, then ``policy_overrides``."""
+    """The policy trainer's config: shared fields copied from ``args``, then ``policy_overrides``.
+
+    Every shared value is copied, but only what the user chose counts as given (``was_given``): the fields
+    given to ``args`` and those in ``policy_overrides``. So the policy stage tells a default from a choice
+    as its trainer would on its own, e.g. a default batch is capped at the dataset's rows, a chosen one not."""
     names = {f.name for f in dataclasses.fields(config_class)}
     unknown = sorted(set(args.policy_overrides) - names)
     if unknown:
@@ -34,7 +38,11 @@ def policy_config(args: Any, config_class: type) -> Any:
     shared["disable_tqdm"] = True
     with warnings.catch_warnings():  # the preference config has warned about its settings already
         warnings.simplefilter("ignore", TruncatedSamplingKLWarning)
-        return config_class(**{**shared, **args.policy_overrides})
+        config = config_class(**{**shared, **args.policy_overrides})
+    chosen = {name for name in shared if args.was_given(name)} | set(args.policy_overrides)
+    # The constructor counts every keyword as given; keep the user's choices (see ConfigBase.was_given).
+    object.__setattr__(config, "_given_fields", frozenset(chosen))
+    return config
 
 
 def critic_arguments(args: Any, config: Any, critic_model: Any, critics: Sequence[Any] | None,
