@@ -219,6 +219,16 @@ class ConfigBase(metaclass=_ConfigMeta):
         """Cross-field rules; return the list of problems (empty when valid)."""
         return []
 
+    @classmethod
+    def with_choices(cls, values: dict[str, Any], given: Any) -> "ConfigBase":
+        """A config of ``values`` of which only the fields in ``given`` count as chosen (:meth:`was_given`): how a
+        composed trainer passes settings on without turning its defaults into its user's choices."""
+        values = _resolve_aliases(cls, dict(values))
+        config = cls.__new__(cls)
+        object.__setattr__(config, "_given_fields", frozenset(given) & frozenset(values))
+        config.__init__(**values)
+        return config
+
     def was_given(self, name: str) -> bool:
         """Whether the constructor received ``name`` (or one of its aliases), rather than taking the default."""
         return name in getattr(self, "_given_fields", ())

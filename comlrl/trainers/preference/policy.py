@@ -38,11 +38,8 @@ def policy_config(args: Any, config_class: type) -> Any:
     shared["disable_tqdm"] = True
     with warnings.catch_warnings():  # the preference config has warned about its settings already
         warnings.simplefilter("ignore", TruncatedSamplingKLWarning)
-        config = config_class(**{**shared, **args.policy_overrides})
-    chosen = {name for name in shared if args.was_given(name)} | set(args.policy_overrides)
-    # The constructor counts every keyword as given; keep the user's choices (see ConfigBase.was_given).
-    object.__setattr__(config, "_given_fields", frozenset(chosen))
-    return config
+        chosen = {name for name in shared if args.was_given(name)} | set(args.policy_overrides)
+        return config_class.with_choices({**shared, **args.policy_overrides}, chosen)
 
 
 def critic_arguments(args: Any, config: Any, critic_model: Any, critics: Sequence[Any] | None,
