@@ -6,7 +6,10 @@ reward-model fit, policy update). The flow runs each as a subflow named by :func
 ("epoch 2 of 3", "iteration 1 · reward-model fit (2/3)") whose tasks are named by
 :func:`task_name` ("epoch 2 · steps 1–8: rollout, score, advantages, update").
 :func:`boundary_row` condenses a finished boundary's report into the row of the run's table
-artifact. Everything here is a pure function of the spec, the trainer class or the report.
+artifact; :func:`recovered_report` rebuilds the report of a boundary whose checkpoint outlived its
+row (a process killed in between) from the checkpoint and the run's logged metrics, and
+:func:`eval_points` draws the eval curve from those metrics. Everything here is a pure function of
+the spec, the trainer class, a report or records read from disk.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import math
 from typing import Any, Sequence
 
 from comlrl.progress import Boundary
+from comlrl.training.run import BoundaryReport, mean_step_metrics
 from flows.spec import RunSpec
 
 # Readable names of the PbRL stages (the trainers' STAGES are method names).
@@ -97,8 +101,47 @@ def boundary_row(report: Any) -> dict[str, Any]:
         "kl": _round(_mean(kls)),
         "grad_norm": _round(_mean(norms)),
         "checkpoint": report.checkpoint,
-        "seconds": round(report.seconds, 2),
+        "seconds": round(report.seconds, 2) if math.isfinite(report.seconds) else None,  # NaN: not measured
     }
+
+
+def record(report: Any) -> dict[str, Any]:
+    """What ``boundaries.jsonl`` keeps of a finished boundary: its number, checkpoint, row and last evaluation."""
+    return {"number": report.boundary.number, "checkpoint": report.checkpoint, "row": boundary_row(report),
+            "evaluation": report.evaluation}
+
+
+def evaluations(logged: dict[str, list[tuple[int, float]]]) -> list[tuple[int, dict[str, float]]]:
+    """``(step, {eval/...: value})`` of every evaluation in a run's logged metrics (``key -> [(step, value)]``,
+    :func:`comlrl.tracking.logged_metrics`), by step."""
+    by_step: dict[int, dict[str, float]] = {}
+    for key, points in logged.items():
+        if key.startswith("eval/"):
+            for step, value in points:
+                by_step.setdefault(step, {})[key] = value
+    return sorted(by_step.items())
+
+
+def eval_points(logged: dict[str, list[tuple[int, float]]]) -> list[tuple[int, float]]:
+    """The eval curve: ``(step, value)`` of the metric a run is judged by (:func:`primary_eval`) at every
+    evaluation in the run's logged metrics, whichever process made it."""
+    return [(step, value) for step, metrics in evaluations(logged) if (value := primary_eval(metrics)[1]) is not None]
+
+
+def recovered_report(boundary: Boundary, checkpoint: str, state: dict[str, Any], history: list[dict[str, Any]],
+                     logged: dict[str, list[tuple[int, float]]], first_step: int) -> BoundaryReport:
+    """The report of ``boundary`` rebuilt from what outlives the process that wrote its ``checkpoint``: the
+    checkpoint's progress (``state``, its metadata's) and ``history``, and the run's logged evaluations after
+    ``first_step`` (the previous boundary's last step). Its metrics are what
+    :meth:`~comlrl.training.run.TrainingRun.save_boundary` computes: a PbRL stage's own (its stage record),
+    else the mean of the boundary's steps; its time was not measured (NaN)."""
+    last_step = int(state["global_step"])
+    if boundary.stage is None:
+        metrics = mean_step_metrics(history, first_step)
+    else:
+        metrics = {k: v for k, v in state["stage_records"][-1].items() if k not in ("iteration", "stage")}
+    during = [(step, values) for step, values in evaluations(logged) if first_step < step <= last_step]
+    return BoundaryReport(boundary, checkpoint, metrics, during, first_step, last_step, math.nan)
 
 
 def _round(value: float | None) -> float | None:
@@ -114,5 +157,6 @@ def describe(row: dict[str, Any]) -> str:
                             ("grad_norm", "grad", ".3g"), ("kl", "kl", ".3f")):
         if row.get(key) is not None:
             parts.append(f"{name} {row[key]:{form}}")
-    parts.append(f"{row['seconds']:.1f} s")
+    if row.get("seconds") is not None:
+        parts.append(f"{row['seconds']:.1f} s")
     return " · ".join(parts)

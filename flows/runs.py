@@ -14,13 +14,18 @@ Layout under the working directory (default ``.comlrl/``)::
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from comlrl.checkpointing.lock import DirectoryLock, DirectoryLockedError
 from flows.spec import RunSpec, check_run_id, spec_hash
+
+logger = logging.getLogger(__name__)
 
 
 def default_tracking_uri(workdir: str | Path) -> str:
@@ -98,8 +103,61 @@ class RunPaths:
         return self.directory / "root.txt"
 
     @property
+    def boundary_records(self) -> Path:
+        return self.directory / "boundaries.jsonl"
+
+    @property
     def artifact_root(self) -> Path:
         return self.workdir / "mlflow" / "artifacts"
+
+
+def parse_record(line: bytes) -> dict[str, Any] | None:
+    """A ``boundaries.jsonl`` line's record, None when the line holds none. An older version appended onto a
+    torn line; the whole record after the torn bytes is still found."""
+    start = line.rfind(b'{"number": ')
+    for candidate in (line, line[start:]) if start > 0 else (line,):
+        try:
+            record = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("number"), int):
+            return record
+    return None
+
+
+def read_boundary_records(run: RunPaths) -> list[dict[str, Any]]:
+    """The records of the boundaries finished so far (``boundaries.jsonl``), one per boundary (the last line
+    of each wins), in order. A line that holds no whole record (a write cut short by a crash) is skipped with
+    a warning, and the lines after it are read."""
+    path = run.boundary_records
+    if not path.is_file():
+        return []
+    by_number: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        record = parse_record(line)
+        if record is None:
+            logger.warning("%s: line %d holds no whole boundary record (a write cut short; %d bytes starting %r); "
+                           "skipped: its boundary is recovered from its checkpoint or trained again",
+                           path, number, len(line), line[:40])
+            continue
+        by_number[record["number"]] = record
+    return [by_number[number] for number in sorted(by_number)]
+
+
+def append_boundary_record(run: RunPaths, record: dict[str, Any]) -> None:
+    """Append ``record`` to ``boundaries.jsonl`` as one line, in one write, fsync'd; after a torn last line
+    (a crash mid-write) it starts a fresh line, so the torn bytes never take a whole record with them."""
+    line = (json.dumps(record, default=str) + "\n").encode("utf-8")
+    with open(run.boundary_records, "ab+", buffering=0) as handle:
+        if handle.seek(0, os.SEEK_END) > 0:
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                line = b"\n" + line
+        if handle.write(line) != len(line):
+            raise OSError(f"{run.boundary_records}: a boundary record was written only in part")
+        os.fsync(handle.fileno())
 
 
 class RunLock:

@@ -6,7 +6,8 @@ for every boundary (epoch or PbRL stage) one **subflow** named after it ("epoch 
 tasks are the boundary's steps in chunks (``execution.steps_per_task``, default all) and its
 end and checkpoint — each task one call of the run's public API, so stop signals, failures,
 evaluation cadence and checkpoints behave exactly as in ``trainer.train()``. Each finished
-boundary adds a row to ``boundaries.jsonl`` in the run directory and to the table artifact. Then
+boundary adds a row to ``boundaries.jsonl`` in the run directory (rebuilt from its checkpoint at the next
+start when a kill came between the two: :func:`restored_records`) and to the table artifact. Then
 the curves, the spec and checkpoint metadata go to MLflow, the agents and the team model are
 registered as candidates, and the champion/challenger gate (:mod:`flows.gate`) decides about
 ``champion``. A re-run of the same run id restores the newest checkpoint and continues (see
@@ -39,13 +40,15 @@ from prefect.states import Cancelled, Completed, Failed, State
 from prefect.utilities.annotations import quote
 
 from comlrl import tracking
+from comlrl.checkpointing import CHECKPOINT_PREFIX, list_checkpoints, read_history, read_metadata
 from comlrl.errors import TrainingInterrupted
 from comlrl.progress import Boundary
 from flows import agents, artifacts, boundaries, orchestrator, tasks
 from comlrl.executables import executable
 from flows.progress import ProgressArtifact, StepProgress, emit
 from flows.registry import team_model_name
-from flows.runs import RunPaths, claim_run, default_tracking_uri, prepare_run
+from flows.runs import (RunPaths, append_boundary_record, claim_run, default_tracking_uri, prepare_run,
+                        read_boundary_records)
 from flows.spec import RunSpec, spec_hash
 
 # Run id -> the session training it in this process; how a boundary subflow (whose parameters
@@ -109,10 +112,32 @@ def start(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str, records: l
                                                             spec.checkpoint.keep, return_state=True)
     training = began.result()
     emit("start", f"training {run.run_id}", total=progress.total, done=trainer.state.global_step)
-    done = trainer.state.boundaries
-    del records[done:]  # rows of boundaries beyond the restored checkpoint are redone
+    records[:] = restored_records(run, training.plan[:trainer.state.boundaries], records, callback)
     return Session(trainer, training, identity, callback, progress, spec, run, records, publisher,
                    last_task_run=began.state_details.task_run_id)
+
+
+def restored_records(run: RunPaths, done: list[Boundary], records: list[dict[str, Any]],
+                     callback: tracking.MLflowCallback) -> list[dict[str, Any]]:
+    """The records of the boundaries ``done`` before this start (the rows of later ones are redone). A
+    boundary whose checkpoint was written but whose row was not (a process killed in between) gets its
+    record back from the checkpoint and the run's logged evaluations, appended to ``boundaries.jsonl``."""
+    kept = {record["number"]: record for record in records if record["number"] <= len(done)}
+    saved = {path.name: path for path in list_checkpoints(run.checkpoints)}
+    logged = None
+    for boundary in done:
+        checkpoint, previous = saved.get(f"{CHECKPOINT_PREFIX}{boundary.number}"), kept.get(boundary.number - 1)
+        if boundary.number in kept or checkpoint is None or (boundary.number > 1 and previous is None):
+            continue  # recorded; or redone (no checkpoint); or where it began is not known
+        logged = tracking.logged_metrics(callback, "eval/") if logged is None else logged
+        first_step = previous["row"]["step"] if previous else 0
+        report = boundaries.recovered_report(boundary, str(checkpoint), read_metadata(checkpoint)["state"],
+                                             read_history(checkpoint), logged, first_step)
+        kept[boundary.number] = boundaries.record(report)
+        append_boundary_record(run, kept[boundary.number])
+        get_run_logger().warning("%s: the row of %s was not written before its process ended; recovered from %s",
+                                 run.boundary_records, boundaries.label(boundary), checkpoint.name)
+    return [kept[number] for number in sorted(kept)]
 
 
 def say_progress(line: str) -> None:
@@ -170,8 +195,8 @@ def run_boundary(session: Session, number: int) -> dict[str, Any] | None:
     saved = tasks.save_boundary.with_options(task_run_name=boundaries.task_name(boundary, "checkpoint"))(
         quote(training), metrics, return_state=True)
     report, session.last_task_run = saved.result(), saved.state_details.task_run_id
-    row = boundaries.boundary_row(report)
-    record = {"number": number, "checkpoint": report.checkpoint, "row": row, "evaluation": report.evaluation}
+    record = boundaries.record(report)
+    row = record["row"]
     session.finished[number] = record
     session.publisher.submit(artifacts.publish_table, session.paths.run_id,
                              [r["row"] for r in session.records if r["row"]] + [row])
@@ -292,26 +317,6 @@ def stop_message(session: Session) -> str:
             f"--workdir {session.paths.workdir}")
 
 
-def read_records(run: RunPaths) -> list[dict[str, Any]]:
-    """The rows of the boundaries finished so far (``boundaries.jsonl``), in order, one per boundary."""
-    path = run.directory / "boundaries.jsonl"
-    if not path.is_file():
-        return []
-    by_number: dict[int, dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line torn by a crash: that boundary is redone
-            continue
-        by_number[record["number"]] = record
-    return [by_number[number] for number in sorted(by_number)]
-
-
-def append_record(run: RunPaths, record: dict[str, Any]) -> None:
-    with open(run.directory / "boundaries.jsonl", "a") as handle:
-        handle.write(json.dumps(record, default=str) + "\n")
-
-
 def end_tracking(session: Session, status: str) -> None:
     """Mark the MLflow run ``status`` (KILLED, FAILED; a resume sets it RUNNING again) and deliver what the
     spool holds (bounded; the rest waits for a resume or ``comlrl sync``); never masks the real error."""
@@ -327,7 +332,7 @@ def run_boundaries(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str,
                    publisher: artifacts.BackgroundPublisher) -> Session:
     """Start the training run and every boundary it has left, each a subflow; returns the session (its
     run's ``stopped`` says whether a stop signal ended it early)."""
-    session = start(spec, run, root, tracking_uri, read_records(run), progress_artifact, publisher)
+    session = start(spec, run, root, tracking_uri, read_boundary_records(run), progress_artifact, publisher)
     LIVE[run.run_id] = session
     try:
         # One settings context for all boundary subflows: no heartbeat threads (see the module docstring).
@@ -337,7 +342,7 @@ def run_boundaries(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str,
                 if record is None:
                     break
                 session.records.append(record)
-                append_record(run, record)
+                append_boundary_record(run, record)
             record_refused_ends(session)  # the last boundary's, if the server refused it
     except BaseException as error:
         session.run.abort(error)  # the last completed step's checkpoint, when the state allows it
@@ -421,8 +426,9 @@ def training_flow(spec: RunSpec) -> Flow:
 def run_files(session: Session, spec: RunSpec, run: RunPaths) -> list[tuple[str, str | None]]:
     """What the MLflow run keeps besides metrics: curves, the spec as given and resolved, checkpoint metadata."""
     trainer = session.trainer
-    evaluations = [(step, value) for step, metrics in trainer.evaluations
-                   if (value := boundaries.primary_eval(metrics)[1]) is not None]
+    # The whole run's curves, whichever processes trained it: the history restored with the checkpoints and
+    # the evaluations in the run's spool (its MLflow metric history), not this process's evaluations only.
+    evaluations = boundaries.eval_points(tracking.logged_metrics(session.callback, "eval/"))
     curve = tasks.plot_curves(quote(trainer.history), evaluations, str(run.directory / "reward_curve.png"))
     resolved = run.directory / "resolved_spec.json"
     config = dataclasses.asdict(trainer.args)

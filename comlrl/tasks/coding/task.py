@@ -16,7 +16,7 @@ from comlrl.tasks.coding.prompts import feedback
 
 METRIC_PREFIX = "coding/"
 LEVELS = ("structure", "syntax", "tests", "cooperation", "total")
-SAMPLES_KEPT = 64
+SAMPLES_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class CodingTask:
         self._all_passed: list[float] = []
         self._problems: OrderedDict[str, Mapping[str, Any]] = OrderedDict()  # by the problem's own prompt
         self._by_task: dict[str, Mapping[str, Any]] = {}
-        self.samples: list[dict[str, Any]] = []  # the latest judged answers, for a table of programs and verdicts
+        self._samples: list[dict[str, Any]] = []  # answers judged since the last drain
+        self._last_samples: list[dict[str, Any]] = []  # those of the last step or evaluation that judged any
         self._lock = threading.Lock()
 
     def remember(self, problem: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -90,18 +91,20 @@ class CodingTask:
                     self._levels[level].append(float(values[level]))
                 self._all_passed.append(float(item.score.tests_total > 0
                                               and item.score.tests_passed == item.score.tests_total))
-                self.samples.append({"task_id": problem["task_id"], "aux": item.aux_code, "main": item.main_code,
+                self._samples.append({"task_id": problem["task_id"], "aux": item.aux_code, "main": item.main_code,
                                      **{level: values[level] for level in LEVELS},
                                      "tests_passed": item.score.tests_passed, "tests_total": item.score.tests_total,
                                      "verdicts": "".join("." if ok else "F" for ok in item.execution.passed)
                                      if item.execution else "", "syntax_error": item.score.syntax_error or ""})
-            del self.samples[:-SAMPLES_KEPT]
+            del self._samples[:-SAMPLES_KEPT]
         return [item.score.total for item in judged]
 
     def sample_rows(self) -> list[dict[str, Any]]:
-        """The last :data:`SAMPLES_KEPT` judged answers: task, both agents' code, levels, per-test verdicts."""
+        """The answers judged in the last step or evaluation (at most :data:`SAMPLES_KEPT`; the windows are the
+        drains of :meth:`drain_metrics`, once a step and once an evaluation): task, both agents' code, levels,
+        per-test verdicts. At the end of a pipeline run, the gate's evaluation of the held-out problems."""
         with self._lock:
-            return [dict(row) for row in self.samples]
+            return [dict(row) for row in (self._samples or self._last_samples)]
 
     def drain_metrics(self) -> dict[str, float]:
         """Means of each level since the last drain (``coding/<level>``) and the share of answers passing all tests."""
@@ -113,6 +116,8 @@ class CodingTask:
             for values in self._levels.values():
                 values.clear()
             self._all_passed.clear()
+            if self._samples:
+                self._last_samples, self._samples = self._samples, []
         return metrics
 
     def next_prompts(self, prompt: str, agent_completions: Sequence[str]) -> list[str]:
