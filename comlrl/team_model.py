@@ -212,15 +212,18 @@ def _load_pyfunc(data_path: str) -> TeamModel:
     return TeamModel.load(data_path)
 
 
-def signature(settings: TeamSettings) -> Any:
-    """Input: a ``prompt`` column; output: one string column per agent (and per turn); params:
-    ``seed``, ``temperature``, ``max_new_tokens``, ``do_sample`` with the saved defaults."""
+def signature(settings: TeamSettings, columns: Sequence[str] = ("prompt",)) -> Any:
+    """Input: a ``prompt`` column and, optional, the other text ``columns`` the formatters may read (the coding
+    task's ``entry_point``); output: one string column per agent (and per turn); params: ``seed``,
+    ``temperature``, ``max_new_tokens``, ``do_sample`` with the saved defaults."""
     from mlflow.models import ModelSignature
     from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
     sampling = settings.sampling
+    inputs = [ColSpec("string", "prompt")] + [ColSpec("string", column, required=False)
+                                              for column in columns if column != "prompt"]
     return ModelSignature(
-        inputs=Schema([ColSpec("string", "prompt")]),
+        inputs=Schema(inputs),
         outputs=Schema([ColSpec("string", column) for column in settings.output_columns()]),
         params=ParamSchema([
             ParamSpec("seed", "long", 0),
@@ -231,18 +234,21 @@ def signature(settings: TeamSettings) -> Any:
     )
 
 
-def log_team_model(directory: str | Path, settings: TeamSettings, example_prompts: Sequence[str],
+def log_team_model(directory: str | Path, settings: TeamSettings, examples: Sequence[str | dict[str, str]],
                    name: str = "team") -> Any:
     """Log a saved team directory as a pyfunc model of the active MLflow run (loader module: this
-    module) with its signature and an input example; returns MLflow's ``ModelInfo``."""
+    module) with its signature and an input example; returns MLflow's ``ModelInfo``. ``examples`` are prompts
+    or rows of text fields (a ``prompt`` and whatever else the formatters read, which the signature then takes)."""
     import mlflow
     import pandas
 
+    rows = [{"prompt": example} if isinstance(example, str) else dict(example) for example in examples]
+    columns = list(dict.fromkeys(column for row in rows for column in row))
     return mlflow.pyfunc.log_model(
         name=name,
         loader_module=__name__,
         data_path=str(directory),
-        signature=signature(settings),
-        input_example=pandas.DataFrame({"prompt": list(example_prompts)}),
+        signature=signature(settings, columns),
+        input_example=pandas.DataFrame(rows, columns=columns),
         pip_requirements=REQUIREMENTS,
     )

@@ -34,9 +34,16 @@ def team_model_name(base: str) -> str:
 
 def example_prompts(trainer: Any, count: int = 2) -> list[str]:
     """Prompts of the eval set (else the train set) for input examples."""
+    return [row["prompt"] for row in example_rows(trainer, count)]
+
+
+def example_rows(trainer: Any, count: int = 2) -> list[dict[str, str]]:
+    """Rows of the eval set (else the train set) for the team's input example: the prompt and the row's other
+    text fields, which formatters may read (the coding task's ``entry_point``)."""
     dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
-    prompts = [str(dataset[index].get("prompt", "")) for index in range(min(count, len(dataset)))]
-    return [prompt for prompt in prompts if prompt] or [DEFAULT_EXAMPLE]
+    rows = [dataset[index] for index in range(min(count, len(dataset)))]
+    rows = [{key: value for key, value in row.items() if isinstance(value, str)} for row in rows if row.get("prompt")]
+    return [row for row in rows if isinstance(row.get("prompt"), str)] or [{"prompt": DEFAULT_EXAMPLE}]
 
 
 def team_settings(trainer: Any, spec: RunSpec) -> TeamSettings:
@@ -64,7 +71,7 @@ def register_team(identity: dict[str, Any], trainer: Any, spec: RunSpec, tags: d
         save_team(trainer, directory, settings)
         mlflow.set_tracking_uri(identity["tracking_uri"])
         with mlflow.start_run(run_id=identity["run_id"]):
-            info = log_team_model(directory, settings, example_prompts(trainer))
+            info = log_team_model(directory, settings, example_rows(trainer))
         version = str(mlflow.register_model(info.model_uri, name).version)
         versions = {entry["name"]: entry["version"] for entry in agent_versions}
         for key, value in {**tags, "comlrl.agent_versions": json.dumps(versions)}.items():

@@ -71,3 +71,15 @@ def test_a_tiny_coding_run_records_levels_evaluations_and_sample_answers(tmp_pat
     assert {"task_id", "aux", "main", "total", "verdicts", "tests_passed", "tests_total"} <= set(answers["columns"])
     task_ids = {row[answers["columns"].index("task_id")] for row in answers["data"]}
     assert task_ids <= {"HumanEval/0", "HumanEval/1"}  # the gate's evaluation: the held-out problems
+    # The registered team answers a HumanEval row: its signature takes the formatters' entry_point too.
+    import mlflow
+
+    from comlrl.tasks.coding import humaneval
+
+    mlflow.set_tracking_uri(f"sqlite:///{workdir / 'mlflow' / 'mlflow.db'}")
+    team = mlflow.pyfunc.load_model("models:/coding-tiny-team@candidate")
+    assert "entry_point" in team.metadata.get_input_schema().input_names()
+    problem = humaneval("eval")[0]
+    answers = team.predict([{"prompt": problem["prompt"], "entry_point": problem["entry_point"]}],
+                           params={"max_new_tokens": 4})
+    assert answers.shape == (1, 2)

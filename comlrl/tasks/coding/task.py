@@ -48,7 +48,10 @@ class CodingTask:
 
     def remember(self, problem: Mapping[str, Any]) -> Mapping[str, Any]:
         """Note a problem by its prompt text, which is all a transition is given of its row, and return the
-        problem as first seen: a later turn's row (its ``prompt`` the feedback text) does not replace it."""
+        problem as first seen: a later turn's row (its ``prompt`` the feedback text) does not replace it. A row
+        without ``task_id`` (a registered team's input: prompt and entry point) is returned as it is."""
+        if "task_id" not in problem:
+            return problem
         with self._lock:
             known = self._by_task.get(problem["task_id"])
             if known is not None:
