@@ -129,13 +129,16 @@ def test_a_lora_model_is_not_packed(model):
 
 
 def test_bf16_weights_are_packed_too_and_other_dtypes_are_not(model):
+    """Where the CPU's oneDNN packs bf16 (torch's own query: AVX-512 BF16 or AMX), every layer is packed;
+    elsewhere (this AMD EPYC without AVX-512) none is, and the layers still compute the usual products."""
     layer = linear_layers(model)[0]
     model.to(torch.bfloat16)
     x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    bf16_packs = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     with torch.inference_mode():
         expected = F.linear(x, layer.weight)
         with packed_linears(model, rows=3, min_bytes=0) as count:
-            assert count == len(linear_layers(model))
+            assert count == (len(linear_layers(model)) if bf16_packs else 0)
             torch.testing.assert_close(layer(x), expected, rtol=2e-2, atol=2e-2)
     model.to(torch.float64)
     assert packable_layers(model) == []

@@ -167,8 +167,13 @@ def weights_and_state_sizes(model: str, directory: Path) -> tuple[int, int]:
     return (checkpoint / "models" / "agent_0.safetensors").stat().st_size, (checkpoint / "state.pt").stat().st_size
 
 
+# A file-size limit far above the run's history file (a few KB: one line a step) and far below an agent's
+# weights (~320 KB): the weights are what fails.
+FULL_DISK_LIMIT = 65536
+
+
 def test_a_full_disk_names_the_file_and_cause_and_the_final_save_failing_fails_the_run(tiny_llama, tmp_path):
-    result = run_full_disk(tiny_llama, tmp_path, limit=4096)
+    result = run_full_disk(tiny_llama, tmp_path, limit=FULL_DISK_LIMIT)
     assert result.returncode != 0, "train() returned as if the final model had been saved"
     last_good = tmp_path / "checkpoint-1"
     assert f"CheckpointWriteError: models/agent_0.safetensors | {last_good}" in result.stdout, result.stdout
@@ -183,7 +188,7 @@ def test_a_full_disk_names_the_file_and_cause_and_the_final_save_failing_fails_t
 
 
 def test_space_back_before_the_final_save_ends_the_run_normally(tiny_llama, tmp_path):
-    result = run_full_disk(tiny_llama, tmp_path, limit=4096, lift_at=3)
+    result = run_full_disk(tiny_llama, tmp_path, limit=FULL_DISK_LIMIT, lift_at=3)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "finished epochs 3" in result.stdout
     assert result.stderr.count("checkpoint save failed") == 1  # checkpoint-2 only
