@@ -39,7 +39,8 @@ def test_every_method_reports_throughput_cpu_and_credit(smoke_run):
         (record,) = result["rounds"]
         assert result["programs_per_s_all"] == [record["programs_per_s"]] == [result["programs_per_s"]]
         assert record["programs_per_s"] == pytest.approx(PROBLEMS / record["wall_s"])
-        assert result["own_cpu_s_per_program"] > 0 and result["machine_cpu_s_per_program"] > 0, method
+        # /proc/stat counts in 10 ms ticks: six in-process programs (~3 ms each) may read 0 there
+        assert result["own_cpu_s_per_program"] > 0 and result["machine_cpu_s_per_program"] >= 0, method
         assert result["full_credit"] and record["passed"] == PROBLEMS and result["failed"] == [], method
 
 
