@@ -61,3 +61,24 @@ def joint_letter_reward(completions_0, completions_1):
 @pytest.fixture
 def reward_func():
     return joint_letter_reward
+
+
+def prefect_pipeline(tmp_path_factory, root):
+    """Prefect's test harness (a temporary API database, result storage in a temp dir) around a module's
+    flows; yields the workdir, the project root and an MLflow SQLite store, then puts the environment back."""
+    home = tmp_path_factory.mktemp("prefect")
+    saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH")}
+    os.environ.update(PREFECT_HOME=str(home), PREFECT_LOCAL_STORAGE_PATH=str(home / "storage"))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=None):
+        yield {"workdir": tmp_path_factory.mktemp("work"), "root": root,
+               "tracking_uri": f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"}
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -20,6 +20,7 @@ from comlrl.tasks.letters import write_dataset
 from flows import boundaries
 from flows.runs import RunPaths, append_boundary_record, read_boundary_records
 from letters_spec import letters_spec
+from conftest import prefect_pipeline
 
 STEPS_PER_EPOCH = 2  # 4 rows, batch 2
 SPEC = letters_spec("recordtest", num_generations=2, max_new_tokens=6, temperature=1.0, agent_learning_rate=0.003,
@@ -90,22 +91,7 @@ def pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("project")
     write_dataset(root / "data" / "letters", num_train=2 * STEPS_PER_EPOCH, num_eval=2)
     (root / "spec.yaml").write_text(yaml.safe_dump(SPEC))
-    home = tmp_path_factory.mktemp("prefect")
-    saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH")}
-    os.environ.update(PREFECT_HOME=str(home), PREFECT_LOCAL_STORAGE_PATH=str(home / "storage"))
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=None):
-        yield {"workdir": tmp_path_factory.mktemp("work"), "root": root,
-               "tracking_uri": f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"}
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    yield from prefect_pipeline(tmp_path_factory, root)
 
 
 def fail_once_in_epoch(monkeypatch, epoch: int) -> None:

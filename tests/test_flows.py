@@ -18,6 +18,7 @@ import yaml
 from comlrl.tasks.letters import write_dataset
 from flows.spec import SpecError, load_spec, parse_spec
 from letters_spec import letters_spec
+from conftest import prefect_pipeline
 
 pytestmark = pytest.mark.slow
 
@@ -43,22 +44,7 @@ def project(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, project):
     """Prefect's test harness (temporary API database) with result storage in a temp dir."""
-    home = tmp_path_factory.mktemp("prefect")
-    saved = {k: os.environ.get(k) for k in ("PREFECT_HOME", "PREFECT_LOCAL_STORAGE_PATH")}
-    os.environ.update(PREFECT_HOME=str(home), PREFECT_LOCAL_STORAGE_PATH=str(home / "storage"))
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=None):
-        yield {"workdir": tmp_path_factory.mktemp("work"), "root": project,
-               "tracking_uri": f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"}
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    yield from prefect_pipeline(tmp_path_factory, project)
 
 
 def subflow_runs(flow_run_id) -> list:
