@@ -38,7 +38,7 @@ def run_program(source: str, stdin: str | bytes, limits: SandboxLimits, mode: st
         with open(os.path.join(job_dir, "prelude.py"), "w", encoding="utf-8") as handle:
             handle.write(prelude)
         executable, _ = isolation.interpreter()
-        settings = [f"{name}={value}" for name, value in _kernel_limits(limits, uid).items()]
+        settings = [f"{name}={value}" for name, value in kernel_limits(limits, uid).items()]
         environment = dict(isolation.ENVIRONMENT)
         if mode == "full":
             argv = [executable, "-I", "-S", f"{isolation.JOB_DIR}/prelude.py", *settings]
@@ -57,7 +57,7 @@ def run_program(source: str, stdin: str | bytes, limits: SandboxLimits, mode: st
         shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def _kernel_limits(limits: SandboxLimits, uid: int | None) -> dict[str, int]:
+def kernel_limits(limits: SandboxLimits, uid: int | None) -> dict[str, int]:
     """The limits the prelude sets. The kernel counts RLIMIT_NPROC over every process of the real uid: a slot's
     own uid under root; otherwise the caller's, whose processes are counted in so the program still gets its share."""
     values = limits.rlimits()
@@ -89,7 +89,7 @@ def _supervise(command: list[str], cwd: str | None, environment: dict[str, str],
         timed_out, truncated = _collect(process, out, err, started + limits.timeout, limits.max_output_bytes)
     finally:
         if timed_out or truncated or process.poll() is None or (mode == "rlimits" and uid is not None):
-            _kill_tree(process, mode, uid)  # under rlimits a setsid daemon may outlive a program that ended
+            kill_tree(process, mode, uid)  # under rlimits a setsid daemon may outlive a program that ended
         status = process.wait()
         for stream in (process.stdout, process.stderr):
             stream.close()
@@ -142,7 +142,7 @@ def _collect(process: subprocess.Popen, out: bytearray, err: bytearray, deadline
     return False, False
 
 
-def _kill_tree(process: subprocess.Popen, mode: str, uid: int | None) -> None:
+def kill_tree(process: subprocess.Popen, mode: str, uid: int | None) -> None:
     """Kill the program and everything it started."""
     try:
         os.killpg(process.pid, signal.SIGKILL)  # bubblewrap (full) or the interpreter (rlimits) and its group

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import marshal
 import os
+import select
 import shutil
 import subprocess
 import tempfile
@@ -19,7 +20,7 @@ import time
 
 from comlrl.sandbox import isolation
 from comlrl.sandbox.limits import SandboxLimits, SandboxResult
-from comlrl.sandbox.process import _kernel_limits, _kill_tree
+from comlrl.sandbox.process import kernel_limits, kill_tree
 
 WORKER = isolation.tool_folder() / "worker.py"
 HEADER = 12
@@ -52,7 +53,7 @@ class WarmSlot:
         if self.process is None:
             self.start()
         data = stdin.encode("utf-8") if isinstance(stdin, str) else bytes(stdin)
-        job = marshal.dumps((source, len(data), _kernel_limits(self.limits, self.uid), float(self.limits.timeout),
+        job = marshal.dumps((source, len(data), kernel_limits(self.limits, self.uid), float(self.limits.timeout),
                              self.limits.max_output_bytes))
         try:
             self._write_all(b"%0*d" % (HEADER, len(job)) + job + data)
@@ -97,8 +98,6 @@ class WarmSlot:
         return line.decode("ascii", "replace")
 
     def _read(self, count: int, deadline: float) -> bytes:
-        import select
-
         fd, chunks, left = self.process.stdout.fileno(), [], count
         while left > 0:
             wait = deadline - time.monotonic()
@@ -113,7 +112,7 @@ class WarmSlot:
 
     def close(self) -> None:
         if self.process is not None:
-            _kill_tree(self.process, "full", self.uid)
+            kill_tree(self.process, "full", self.uid)
             self.process.wait()
             for stream in (self.process.stdin, self.process.stdout):
                 stream.close()

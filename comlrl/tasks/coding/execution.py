@@ -124,10 +124,6 @@ class Executor:
             self._sandbox = Sandbox(**self.settings)  # checks the isolation here, before any program runs
         return self._sandbox
 
-    def cached(self, problem: Mapping[str, Any], program: str) -> Execution | None:
-        with self._lock:
-            return self._cache.get((problem["task_id"], program))
-
     def run(self, jobs: Sequence[tuple[Mapping[str, Any], str]]) -> list[Execution]:
         """Executions of ``(problem, program)`` pairs, running (in parallel) only those not yet run."""
         keys = [(problem["task_id"], program) for problem, program in jobs]
