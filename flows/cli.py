@@ -4,21 +4,17 @@ Prefect and MLflow settings come from the environment (``PREFECT_API_URL``,
 ``MLFLOW_TRACKING_URI``); without them the embedded default is used: Prefect's ephemeral
 mode and an MLflow SQLite store under the working directory (``--workdir``, default .comlrl).
 
-Exit statuses of ``run``/``resume``: 0 done; 1 training failed (the last completed step is checkpointed
-when the trainer's state allows it; MLflow run FAILED); 2 bad input (spec, run id, path, and what
-:mod:`flows.preflight` finds: data files, --workdir, servers); 69 the
-Prefect server became unreachable (checkpoints are safe; ``comlrl resume`` after a restart finishes
-the run, see :mod:`flows.orchestrator`); 75 the MLflow server did not take the run's records in
-time (training finished, agents not registered; they wait in the run's tracking spool for
-``comlrl sync`` or ``comlrl resume``); 130 / 143 stopped by SIGINT / SIGTERM (``checkpoint-N-stepS``
-written, MLflow run KILLED, flow run Cancelled). ``sync``: see :func:`sync` (65 for an unreadable
-spool). MLflow calls of ``promote`` and ``sync`` give up after ``COMLRL_MLFLOW_DEADLINE`` seconds.
+Exit statuses of ``run``/``resume`` (0 done, 1 failed after the start, 2 bad input, 69 Prefect unreachable, 75
+MLflow unreachable, 130/143 stopped) and what each prints: docs/pipeline.md, "Exit statuses" and "Errors after the
+start". ``sync``: see :func:`sync` (65 for an unreadable spool). MLflow calls of ``promote`` and ``sync`` give up
+after ``COMLRL_MLFLOW_DEADLINE`` seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -30,6 +26,8 @@ from comlrl.executables import executable
 EXIT_TRACKING_UNREACHABLE = 75  # sysexits' EX_TEMPFAIL: try again once the MLflow server answers
 # Path options checked against the filesystem's limits before a command starts, with the bytes comlrl adds
 # below each (under --workdir: runs/<run id>/checkpoints/..., mlflow/artifacts/..., a few hundred at most).
+VERBOSE_HELP = ("print tracebacks on the console (by default they go to WORKDIR/logs/RUN_ID.log, which the closing "
+                "comlrl: line names)")
 PATH_OPTIONS = {"workdir": ("--workdir", 512), "root": ("--root", 0), "path": ("PATH", 0)}
 
 
@@ -74,15 +72,29 @@ def _bad_run_id(run_id: str | None) -> bool:
     return False
 
 
-def _refused_by_preflight(spec, workdir: str, root: str) -> bool:
-    """Print every problem of the data files, --workdir and servers (flows/preflight.py), one line each; whether
-    there was one."""
+def _refused_by_preflight(spec, args: argparse.Namespace, root: str) -> bool:
+    """Print every problem of the data files, --workdir, the run and the servers (flows/preflight.py), one line
+    each; whether there was one."""
     from flows.preflight import preflight
+    from flows.runs import default_run_id
 
-    problems = preflight(spec, workdir, root)
+    # With --init-from and no --run-id the flow derives the run id from the pinned spec: its run is checked there.
+    run_id = args.run_id or (None if spec is None or args.init_from else default_run_id(spec))
+    problems = preflight(spec, args.workdir, root, run_id)
     for problem in problems:
         print(f"comlrl: {problem}", file=sys.stderr)
     return bool(problems)
+
+
+def _configured(workdir: str, orchestrate: bool = True) -> bool:
+    """:func:`flows.environment.configure`; False once a store that could not be made (a full disk: nothing is
+    left behind, the same command works once there is room) has been named on one line."""
+    try:
+        configure(workdir, orchestrate)
+    except OSError as error:
+        print(f"comlrl: {error}", file=sys.stderr)
+        return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,16 +105,20 @@ def run(args: argparse.Namespace) -> int:
 
     apply_offline_defaults()  # the run's hub setting judges the spec too (a hub id absent offline: exit 2 here)
     spec = _load_spec(args.spec, root)
-    if _refused_by_preflight(spec, args.workdir, root) or spec is None:  # before any server, MLflow run or model
+    if _refused_by_preflight(spec, args, root) or spec is None:  # before any server, MLflow run or model
         return 2
-    configure(args.workdir)
-    from flows.console import attach_bar
+    if not _configured(args.workdir):
+        return 2
+    from flows.console import attach_bar, tracebacks_to
     from flows.orchestrator import exit_if_unreachable
     from flows.runs import default_run_id
     from flows.training import training_flow
 
     # For messages only: with --init-from the flow derives the default run id from the pinned spec.
     run_id = args.run_id or ("RUN_ID" if args.init_from else default_run_id(spec))
+    log = Path(args.workdir).resolve() / "logs" / f"{args.run_id or (spec.name if args.init_from else run_id)}.log"
+    if not args.verbose:
+        tracebacks_to(log)
     attach_bar()  # a terminal gets a progress bar (steps, reward, elapsed, time left); logs get none
     try:
         state = training_flow(spec)(spec_path=str(Path(args.spec).resolve()), run_id=args.run_id,
@@ -114,14 +130,40 @@ def run(args: argparse.Namespace) -> int:
         return 130
     except Exception as error:
         exit_if_unreachable(run_id, args.workdir, error)  # ends the process (69) when Prefect is down
-        raise
+        if args.verbose:
+            raise
+        logging.getLogger("comlrl.cli").error("the flow could not run", exc_info=error)
+        print(f"\ncomlrl: {failure_line(run_id, args.workdir, error, log)}", file=sys.stderr)
+        return 1
     exit_if_unreachable(run_id, args.workdir)
-    return report(state, run_id, args.workdir)
+    return report(state, run_id, args.workdir, None if args.verbose else log)
 
 
-def report(state, run_id: str, workdir: str) -> int:
-    """Print how the flow run ended (one line unless it completed) and return the exit status."""
+def failure_line(run_id: str, workdir: str, error: BaseException | str, log: Path | None) -> str:
+    """What failed, where its traceback is, and what to do: ``comlrl resume`` only when the run has a checkpoint
+    to continue from and the error is not one a resume meets again (the run refused, a checkpoint refused)."""
+    from comlrl.errors import CheckpointError
+    from flows.runs import RunPaths, RunRefused
+    from flows.training import latest_checkpoint
+
+    cause = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error
+    where = f" (traceback: {log})" if log is not None else ""
+    if isinstance(error, (RunRefused, CheckpointError)):
+        return f"run {run_id} was refused: {error}{where}"
+    checkpoint = latest_checkpoint(RunPaths(run_id, Path(workdir).resolve())) if run_id != "RUN_ID" else None
+    if checkpoint is None:
+        advice = "nothing was checkpointed; after fixing the cause, run the same command again"
+    else:
+        advice = (f"completed work is in {Path(checkpoint).name}; after fixing the cause, continue with:  "
+                  f"{executable('comlrl')} resume {run_id} --workdir {workdir}")
+    return f"run {run_id} failed: {cause}{where}; {advice}"
+
+
+def report(state, run_id: str, workdir: str, log: Path | None = None) -> int:
+    """Print how the flow run ended (one line unless it completed) and return the exit status: 2 for a run this
+    command cannot train (:class:`flows.runs.RunRefused`), 1 for any other failure."""
     from comlrl.tracking import TrackingUnavailable
+    from flows.runs import RunRefused
 
     if state.is_completed():
         print(json.dumps(state.result(), indent=2))
@@ -135,10 +177,9 @@ def report(state, run_id: str, workdir: str) -> int:
     if isinstance(outcome, dict) and "exit_status" in outcome:  # a stop: a signal, or the non-finite guard
         print(f"\ncomlrl: {state.message}", file=sys.stderr)
         return outcome["exit_status"] or 1
-    cause = f"{type(outcome).__name__}: {outcome}" if isinstance(outcome, BaseException) else state.message
-    print(f"\ncomlrl: run {run_id} failed ({cause}). Completed work is in its checkpoints; after fixing the cause, "
-          f"continue with:  {executable('comlrl')} resume {run_id} --workdir {workdir}", file=sys.stderr)
-    return 1
+    print(f"\ncomlrl: {failure_line(run_id, workdir, outcome if isinstance(outcome, BaseException) else state.message, log)}",
+          file=sys.stderr)
+    return 2 if isinstance(outcome, RunRefused) else 1
 
 
 def resume(args: argparse.Namespace) -> int:
@@ -147,7 +188,7 @@ def resume(args: argparse.Namespace) -> int:
     directory = Path(args.workdir) / "runs" / args.run_id
     if not (directory / "spec.yaml").is_file():
         known = sorted(p.name for p in (Path(args.workdir) / "runs").glob("*") if p.is_dir())
-        print(f"no run {args.run_id!r} under {directory.parent}; known runs: {known or 'none'}", file=sys.stderr)
+        print(f"comlrl: no run {args.run_id!r} under {directory.parent}; known runs: {known or 'none'}", file=sys.stderr)
         return 2
     args.spec = str(directory / "spec.yaml")
     args.root = (directory / "root.txt").read_text().strip()
@@ -159,7 +200,8 @@ def serve(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
     if _load_spec(args.spec, root) is None:
         return 2
-    configure(args.workdir, orchestrate=False)
+    if not _configured(args.workdir, orchestrate=False):
+        return 2
     if not os.environ.get("PREFECT_API_URL"):
         print("comlrl serve needs a Prefect server: start one (bash infra/servers.sh start) and set PREFECT_API_URL",
               file=sys.stderr)
@@ -175,7 +217,8 @@ def promote(args: argparse.Namespace) -> int:
     """Exit status 2 when a model or alias is missing or the gate kept the candidate out; 75 when MLflow
     does not answer within COMLRL_MLFLOW_DEADLINE seconds (default 60), each call bounded as well
     (comlrl.tracking.HTTP_BOUNDS unless the environment sets MLflow's MLFLOW_HTTP_REQUEST_* itself)."""
-    configure(args.workdir, orchestrate=False)
+    if not _configured(args.workdir, orchestrate=False):
+        return 2
     from comlrl import tracking
     from flows import gate
 
@@ -255,12 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", help="run name (default <name>-<spec hash>); reuse it to resume")
     p.add_argument("--root", default=".", help="directory the spec's relative paths start from; datasets must lie in ROOT/data")
     p.add_argument("--init-from", metavar="ALIAS", help="start from the registry's ALIAS agents (e.g. champion) if they exist")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
 
     p = add("resume", resume, "continue a failed or cancelled run after its last completed boundary",
             "Re-run RUN_ID with the spec it was started with: the run's newest checkpoint (a boundary's, or the "
             "checkpoint-N-stepS a stop signal or failure left) is restored, finished boundaries are not run again, "
             "metrics go to the same MLflow run, and the final models equal an uninterrupted run's.")
     p.add_argument("run_id", help="the run id (a directory under WORKDIR/runs)")
+    p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
 
     p = add("serve", serve, "serve scheduled retraining from the champion (needs a Prefect server)",
             "Serve the 'comlrl-retrain' deployment: on CRON, train SPEC starting from the registry's 'champion' "

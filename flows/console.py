@@ -1,8 +1,10 @@
-"""The demo's console: one progress bar, one line per boundary, the gate's verdict; noise silenced.
+"""The command line's console: the demo's quiet one, and the tracebacks ``comlrl run`` keeps in a log file.
 
-Only ``comlrl demo`` installs it (:func:`install`), and ``--verbose`` leaves the console as the
-libraries make it. Library use and ``comlrl run`` are never silenced; ``comlrl run``/``resume`` draw the
-same bar on a terminal (:func:`attach_bar`). What the demo silences:
+``comlrl run``/``resume`` show every log line, and draw the demo's bar on a terminal (:func:`attach_bar`); without
+``--verbose`` the tracebacks attached to log records go to the run's log file instead of the console
+(:func:`tracebacks_to`), and the command ends with one ``comlrl:`` line naming that file. Library use is never
+changed. ``comlrl demo`` installs the quiet console (:func:`install`); ``--verbose`` leaves the console as the
+libraries make it. What the demo silences:
 
 - third-party progress bars (Hugging Face's "Loading weights", "Writing model shards",
   ``datasets``' "Generating train split"): ``HF_HUB_DISABLE_PROGRESS_BARS`` /
@@ -24,6 +26,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, TextIO
 
 QUIET_ENVIRONMENT = {
@@ -143,6 +146,42 @@ class _Propagate(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         logging.getLogger("flows").handle(record)
+
+
+LOG_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
+
+
+class WithoutTraceback(logging.Formatter):
+    """Formats a record as ``inner`` does, leaving out its exception's traceback and stack (the record's message,
+    which names the exception, stays)."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        kept = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return self.inner.format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = kept
+
+
+def tracebacks_to(log: Path) -> logging.Handler:
+    """Every record the root logger's handlers see, tracebacks included, also goes to ``log`` (appended); the
+    console handlers (the root's stream handlers, Prefect's among them) stop printing tracebacks. Call after
+    Prefect has configured logging (it does on import). Returns the file's handler."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    for handler in root.handlers:
+        console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if console and not isinstance(handler.formatter, WithoutTraceback):
+            handler.setFormatter(WithoutTraceback(handler.formatter))
+    keeper = logging.FileHandler(log, encoding="utf-8")
+    keeper.setFormatter(logging.Formatter(LOG_FORMAT))
+    root.addHandler(keeper)
+    return keeper
 
 
 def install(verbose: bool) -> ProgressConsole | None:

@@ -7,7 +7,9 @@ current step, can no longer record that its flow run was cancelled. So the comma
 the same server app itself (Prefect's ``prefect.server.api.server:create_app`` under uvicorn, the
 UI off, as the ephemeral mode does), on loopback, in its own process group, points
 ``PREFECT_API_URL`` at it and stops it when the process ends (after Prefect has sent its queued
-events). It keeps its database under ``PREFECT_HOME`` as before.
+events). It keeps its database under ``PREFECT_HOME`` as before. A run that ends without its exit hooks (SIGKILL,
+a SIGTERM while the server starts, its process group killed) takes the server with it: the kernel sends the
+server SIGTERM when the process that started it dies (``PR_SET_PDEATHSIG``), so no server outlives its run.
 
 Call :func:`start` before Prefect is imported (Prefect reads ``PREFECT_API_URL`` then).
 """
@@ -43,6 +45,25 @@ def _healthy(api_url: str) -> bool:
         return False
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _dies_with(parent: int):
+    """For ``preexec_fn``: the child gets SIGTERM when ``parent`` dies, and exits at once if it already has (the
+    parent may die between the fork and the ``prctl``). Only async-signal-safe calls: libc's ``prctl`` via
+    ctypes, loaded before the fork."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def arm() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
 def start(timeout: float = 90.0) -> str:
     """Start the server (once per process), set ``PREFECT_API_URL``; its API URL."""
     global _SERVER
@@ -57,7 +78,8 @@ def start(timeout: float = 90.0) -> str:
     command = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
                "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "error", "--lifespan", "on"]
-    _SERVER = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, process_group=0)
+    _SERVER = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, process_group=0,
+                               preexec_fn=_dies_with(os.getpid()))
     api_url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + timeout
     while not _healthy(api_url):

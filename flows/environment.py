@@ -4,6 +4,7 @@ closing "where to look" lines. Call :func:`configure` before Prefect is imported
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from comlrl.executables import executable
@@ -28,8 +29,8 @@ def where_to_look(workdir: str) -> None:
     print("\nwhere to look:")
     if uri.startswith("sqlite:"):
         artifacts = Path(workdir).resolve() / "mlflow" / "artifacts"
-        print(f"  MLflow UI:   {executable('mlflow')} ui --backend-store-uri {uri} --default-artifact-root {artifacts} "
-              "--host 127.0.0.1")
+        print(f"  MLflow UI:   {executable('mlflow')} ui --backend-store-uri {shlex.quote(uri)} "
+              f"--default-artifact-root {shlex.quote(str(artifacts))} --host 127.0.0.1")
     else:
         print(f"  MLflow:      {uri}")
     if os.environ.get("PREFECT_API_URL") and not os.environ.get("COMLRL_EMBEDDED_PREFECT"):

@@ -2,7 +2,8 @@
 
 The spec is validated by :mod:`flows.spec`; this module looks at what the spec points to and at the place the run
 will live: the dataset files (well-formed, not empty, a text ``prompt`` in every row when no formatters are
-given), the working directory (can be created, is writable, has room for a checkpoint) and the servers named by
+given), the working directory (can be created, is writable, has room for a checkpoint), the run the run id names
+(started from this spec, not trained by another process right now) and the servers named by
 ``MLFLOW_TRACKING_URI`` / ``PREFECT_API_URL`` (well-formed, answering). :func:`preflight` returns every problem as
 one line naming the file, column, row, directory or variable and the fix; it starts no server, opens no MLflow run
 and loads no model, so a refused run costs seconds and leaves nothing behind (docs/pipeline.md, "The preflight").
@@ -23,7 +24,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Mapping
 
-from flows.spec import DatasetSource, RunSpec, TinySource, data_path, model_path_or_id
+from flows.runs import RunLock, RunPaths
+from flows.tracking_store import workdir_uri_problem
+from flows.spec import DatasetSource, RunSpec, TinySource, data_path, model_path_or_id, spec_hash
 
 PROMPT = "prompt"  # the column comlrl.data.default_formatter reads when a spec names no formatters
 GIB = 1 << 30
@@ -38,11 +41,14 @@ TRACKING_FIX = "or unset it to use the embedded store under --workdir"
 PREFECT_FIX = "or unset it to use the embedded default (a Prefect server the command starts itself)"
 
 
-def preflight(spec: RunSpec | None, workdir: str, root: str | Path) -> list[str]:
+def preflight(spec: RunSpec | None, workdir: str, root: str | Path, run_id: str | None = None) -> list[str]:
     """Every problem the run would meet outside its spec, one line each (empty: go). Without a ``spec`` (it was
-    refused) the working directory and the servers are still checked, so one refusal lists everything."""
+    refused) the working directory and the servers are still checked, so one refusal lists everything.
+    ``run_id`` is checked against the run it names when that run exists (None: not checked)."""
     problems = dataset_problems(spec, Path(root)) if spec is not None else []
     problems += workdir_problems(workdir, checkpoint_bytes(spec, Path(root)) if spec is not None else 0)
+    if spec is not None and run_id:
+        problems += run_problems(spec, run_id, workdir)
     return problems + service_problems(os.environ)
 
 
@@ -238,6 +244,8 @@ def workdir_problems(workdir: str, needed_bytes: int) -> list[str]:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     name = f"--workdir {str(path)!r}"
+    if (unnamable := workdir_uri_problem(path)) is not None:
+        return [unnamable]
     if not existing.is_dir():
         where = "is a file" if existing == path else f"cannot be created: {str(existing)!r} is a file"
         return [f"{name} {where}, not a directory: choose another --workdir"]
@@ -254,6 +262,30 @@ def workdir_problems(workdir: str, needed_bytes: int) -> list[str]:
         return [f"{name} has {free / GIB:.2f} GiB free; one checkpoint of this spec's models needs about "
                 f"{needed_bytes / GIB:.2f} GiB: free space there or choose another --workdir"]
     return []
+
+
+# ---- the run's own directory ------------------------------------------------------------------------------------
+
+def run_problems(spec: RunSpec, run_id: str, workdir: str) -> list[str]:
+    """An existing run ``run_id`` that this spec cannot continue: started from another spec (its ``spec.sha256``),
+    or trained right now by another process (it holds ``flow.lock``). A run that does not exist yet has none."""
+    run = RunPaths(run_id, Path(os.path.abspath(workdir)))
+    problems = []
+    stamp = run.directory / "spec.sha256"
+    if stamp.is_file():
+        started, given = stamp.read_text().strip(), spec_hash(spec)
+        if started != given:
+            problems.append(f"run {run_id!r} was started from another spec (hash {started[:10]}; this one "
+                            f"{given[:10]}, so the spec or its copy {str(run.spec_copy)!r} was edited): undo the edit, "
+                            "or give this spec a new --run-id")
+    if (run.directory / "flow.lock").is_file():
+        lock = RunLock(run)
+        if lock.acquire():
+            lock.release()
+        else:
+            problems.append(f"run {run_id!r} is being trained by another process (it holds {str(lock.path)!r}): wait "
+                            "for it to end, or give this run another --run-id")
+    return problems
 
 
 # ---- the servers ------------------------------------------------------------------------------------------------

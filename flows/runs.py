@@ -24,18 +24,9 @@ from typing import Any
 
 from comlrl.checkpointing.lock import DirectoryLock, DirectoryLockedError
 from flows.spec import RunSpec, check_run_id, spec_hash
+from flows.tracking_store import default_tracking_uri
 
 logger = logging.getLogger(__name__)
-
-
-def default_tracking_uri(workdir: str | Path) -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else the SQLite store under ``workdir``."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri:
-        return uri
-    store = Path(workdir).resolve() / "mlflow"
-    store.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{store / 'mlflow.db'}"
 
 
 # Models and datasets come from disk (or the local cache) unless the environment says otherwise; the CLI applies
@@ -77,7 +68,7 @@ def configure_embedded_default(workdir: str | Path) -> dict[str, str]:
         if key not in os.environ:
             os.environ[key] = value
             applied[key] = value
-    os.environ.setdefault("MLFLOW_TRACKING_URI", default_tracking_uri(workdir))
+    os.environ.setdefault("MLFLOW_TRACKING_URI", default_tracking_uri(workdir))  # creates the embedded store
     return applied
 
 
@@ -160,6 +151,14 @@ def append_boundary_record(run: RunPaths, record: dict[str, Any]) -> None:
         os.fsync(handle.fileno())
 
 
+class RunRefused(ValueError):
+    """This command cannot train the run it names, and resuming cannot help: it was started from another spec."""
+
+
+class RunBusy(RunRefused, RuntimeError):
+    """Another live process trains the run right now."""
+
+
 class RunLock:
     """``runs/<run_id>/flow.lock``, locked by the process that trains the run
     (:class:`comlrl.checkpointing.lock.DirectoryLock`, one holder per object: the OS drops it when
@@ -182,11 +181,11 @@ class RunLock:
 
 
 def claim_run(run: RunPaths) -> RunLock:
-    """The run's lock, held by this process; a ``RuntimeError`` naming the lock file when another live
+    """The run's lock, held by this process; :class:`RunBusy` (a ``RuntimeError``) naming the lock file when another live
     process trains the same run (two processes would write the same checkpoints)."""
     lock = RunLock(run)
     if not lock.acquire():
-        raise RuntimeError(f"run {run.run_id!r} is being trained by another process (it holds {lock.path}); "
+        raise RunBusy(f"run {run.run_id!r} is being trained by another process (it holds {lock.path}); "
                            "wait for it to end, or give this run another run_id")
     return lock
 
@@ -205,7 +204,7 @@ def prepare_run(spec: RunSpec, spec_path: str | Path, run_id: str | None, workdi
     digest = spec_hash(spec)
     stamp = run.directory / "spec.sha256"
     if stamp.is_file() and stamp.read_text().strip() != digest:
-        raise ValueError(
+        raise RunRefused(
             f"run {run_id!r} was started from a different spec (hash {stamp.read_text().strip()[:10]}, this one "
             f"{digest[:10]}); resume it with its own spec ({run.spec_copy}) or choose a new --run-id"
         )

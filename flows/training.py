@@ -47,8 +47,8 @@ from flows import agents, artifacts, boundaries, orchestrator, tasks
 from comlrl.executables import executable
 from flows.progress import ProgressArtifact, StepProgress, emit
 from flows.registry import team_model_name
-from flows.runs import (RunPaths, append_boundary_record, claim_run, default_tracking_uri, prepare_run,
-                        read_boundary_records)
+from flows.runs import RunPaths, append_boundary_record, claim_run, prepare_run, read_boundary_records
+from flows.tracking_store import default_tracking_uri
 from flows.spec import RunSpec, spec_hash
 
 # Run id -> the session training it in this process; how a boundary subflow (whose parameters
@@ -155,9 +155,8 @@ def latest_checkpoint(run: RunPaths) -> str | None:
     """The run's newest complete checkpoint (None for a new run)."""
     from comlrl.checkpointing.io import latest_checkpoint as newest
 
-    if not run.checkpoints.is_dir() or not any(run.checkpoints.glob("checkpoint-*")):
-        return None
-    return str(newest(run.checkpoints))
+    found = newest(run.checkpoints) if run.checkpoints.is_dir() else None
+    return None if found is None else str(found)
 
 
 def prefect_tags() -> dict[str, str]:
@@ -446,29 +445,70 @@ def run_files(session: Session, spec: RunSpec, run: RunPaths) -> list[tuple[str,
     return files
 
 
+FINISH_STAGES = ("the gate's evaluation", "artifact logging", "agent registration", "team registration", "the gate")
+
+
 def finish(session: Session, spec: RunSpec, run: RunPaths, root: str) -> Any:
+    """The end of a trained run: the gate's evaluation, artifacts, registration, the gate, the MLflow run FINISHED.
+    A stop signal here is honoured at the next of :data:`FINISH_STAGES` (the one under way completes) and ends in
+    a Cancelled state; a stop or an error leaves the MLflow run KILLED or FAILED, never RUNNING, and
+    ``comlrl resume`` does the end again (training is complete: no step runs twice)."""
+    stages = iter(FINISH_STAGES)
+
+    def next_stage() -> None:
+        stage = next(stages)
+        if session.run.request.requested:
+            raise TrainingInterrupted(f"{session.run.request.signal_name} received: stopped before {stage}; training "
+                                      "is complete", session.run.last_checkpoint())
+
+    try:
+        with session.run.signals():
+            result = finish_stages(session, spec, run, root, next_stage)
+        if isinstance(result, State):
+            return result
+    except TrainingInterrupted as stopped:
+        end_tracking(session, "KILLED")
+        message = (f"{stopped} ({Path(stopped.checkpoint).name if stopped.checkpoint else 'no checkpoint'}); "
+                   f"finish it with: {executable('comlrl')} resume {run.run_id} --workdir {run.workdir}")
+        get_run_logger().warning(message)
+        return Cancelled(message=message, data={"run_id": run.run_id, "checkpoint": stopped.checkpoint,
+                                                "reason": str(stopped), "signal": session.run.request.signal_name,
+                                                "exit_status": session.run.request.exit_status})
+    except BaseException as error:
+        end_tracking(session, "KILLED" if isinstance(error, (KeyboardInterrupt, TerminationSignal)) else "FAILED")
+        raise
+    artifacts.best_effort(publish, session, spec, run, result)
+    (run.directory / "result.json").write_text(json.dumps(result, indent=2))
+    emit("gate", result["gate"]["reason"], gate=result["gate"])
+    return result
+
+
+def finish_stages(session: Session, spec: RunSpec, run: RunPaths, root: str, next_stage: Any) -> dict[str, Any] | State:
+    """:data:`FINISH_STAGES` in order, ``next_stage()`` before each; the run's result once MLflow has it FINISHED
+    (a Failed state when MLflow did not take the records in time: they wait in the spool)."""
     identity, trainer, records = session.identity, session.trainer, session.records
     # The gate judges the final agents: one evaluation now (not a training eval point, so not logged as one).
+    next_stage()
     evaluation = tasks.evaluate.with_options(task_run_name="evaluate the candidate")(quote(trainer), "gate")
+    next_stage()
     tasks.log_artifacts(identity, run_files(session, spec, run))
     if not session.callback.close(warn=False):  # MLflow still down after the bounded wait: the spool keeps it all
         unavailable = session.callback.unavailable()
         return Failed(message=str(unavailable), data=unavailable)  # `comlrl sync` / `comlrl resume` finish it
     tags = {**run_tags(spec, run), "mlflow.run_id": identity["run_id"]}
     alias = spec.registry.alias
+    next_stage()
     registered = tasks.register_agents(identity, quote(trainer), spec, tags, alias)
+    next_stage()
     team = tasks.register_team(identity, quote(trainer), spec, tags, alias, str(run.directory / "team"), registered)
     candidates = {entry["name"]: entry["version"] for entry in [team, *registered]}
+    next_stage()
     decision = tasks.gate(spec, evaluation, candidates, identity["tracking_uri"], root, str(run.workdir), alias)
     tasks.finish_run(identity)
-    result = {"run_id": run.run_id, "mlflow_run_id": identity["run_id"], "tracking_uri": identity["tracking_uri"],
-              "checkpoint": session.run.last_checkpoint(), "evaluation": evaluation,
-              "registered": registered, "team": team, "gate": decision.as_dict(),
-              "boundaries": [r["row"] for r in records if r["row"]]}
-    artifacts.best_effort(publish, session, spec, run, result)
-    (run.directory / "result.json").write_text(json.dumps(result, indent=2))
-    emit("gate", decision.reason, gate=decision.as_dict())
-    return result
+    return {"run_id": run.run_id, "mlflow_run_id": identity["run_id"], "tracking_uri": identity["tracking_uri"],
+            "checkpoint": session.run.last_checkpoint(), "evaluation": evaluation,
+            "registered": registered, "team": team, "gate": decision.as_dict(),
+            "boundaries": [r["row"] for r in records if r["row"]]}
 
 
 def publish(session: Session, spec: RunSpec, run: RunPaths, result: dict[str, Any]) -> None:

@@ -241,6 +241,33 @@ def test_without_a_spec_the_workdir_and_servers_are_still_checked(tmp_path, monk
     assert len(problems) == 2 and "is a file, not a directory" in problems[0] and "PREFECT_API_URL" in problems[1]
 
 
+def test_a_run_started_from_another_spec_or_trained_elsewhere_is_named(tmp_path, monkeypatch):
+    """The run's recorded hash (as prepare_run writes it for a new run) and its lock, held here by a real flock."""
+    from comlrl.checkpointing.lock import DirectoryLock
+    from flows.runs import prepare_run
+    from flows.spec import spec_hash
+
+    for variable in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
+        monkeypatch.delenv(variable, raising=False)
+    spec_file, root = project(tmp_path)
+    spec, workdir = spec_with(root), tmp_path / "work"
+    assert pf.preflight(spec, str(workdir), root, "r1") == []  # no such run yet: nothing to compare
+    run = prepare_run(spec, spec_file, "r1", workdir, root)
+    assert pf.preflight(spec, str(workdir), root, "r1") == []  # its own spec
+    edited = spec_with(root, name="preflight-edited")
+    lock = DirectoryLock(run.directory, "flow.lock", shared=False).acquire()  # unshared: a holder of its own
+    try:
+        problems = pf.preflight(edited, str(workdir), root, "r1")
+        assert pf.preflight(edited, str(workdir), root, None) == []  # no run id: the run is not looked at
+    finally:
+        lock.release()
+    assert len(problems) == 2, problems
+    assert (f"run 'r1' was started from another spec (hash {spec_hash(spec)[:10]}; this one "
+            f"{spec_hash(edited)[:10]}") in problems[0] and str(run.spec_copy) in problems[0]
+    assert "'r1' is being trained by another process" in problems[1] and str(run.directory / "flow.lock") in problems[1]
+    assert pf.preflight(spec, str(workdir), root, "r1") == []  # released: free again, and nothing was left locked
+
+
 def test_with_formatters_only_rows_and_form_are_checked(tmp_path):
     _, root = project(tmp_path, ("no_prompt.parquet", without_prompt), ("empty.parquet", no_rows))
     spec = spec_with(root, dataset={"train": "data/no_prompt.parquet", "eval": "data/empty.parquet"},
