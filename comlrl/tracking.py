@@ -10,9 +10,13 @@ MLflow is optional (the ``pipeline`` extra); it is imported only when one of the
   before it returns, so a step whose ``on_log`` returned survives a killed process (and a lost
   machine); a background thread delivers the spool to the same MLflow run, metrics with their
   original step and timestamp, retrying while the server is down. A tracking outage therefore
-  never slows or stops training. A callback opened on a spool that already holds metrics (a
-  resumed run, which re-runs the steps after its checkpoint) does not spool a (key, step) again
-  that the spool holds at that step or later: MLflow gets every step once. At the end
+  never slows or stops training. A resumed run re-runs what came after its checkpoint: the
+  metric points spooled before the checkpoint was taken are the history of the weights it resumes
+  and are not logged again, while a point an earlier attempt logged after it (or before a first
+  checkpoint that never came) is **superseded**: the new attempt logs its own value at the same
+  step, later (MLflow's metric history is append-only and keeps both). The value of a (key, step)
+  is its latest point: what :func:`logged_metrics`, :func:`metric_history` and MLflow's own
+  latest-metric summary read. At the end
   (``on_train_end``, :meth:`MLflowCallback.close`, or interpreter exit) the process waits at
   most ``drain_timeout`` seconds in all for delivery (and up to a second more to stop the
   sender); whatever is still undelivered stays in the spool, with one warning naming it and the
@@ -29,12 +33,14 @@ MLflow is optional (the ``pipeline`` extra); it is imported only when one of the
   command with :data:`EXIT_UNREACHABLE`.
 - :func:`register_agents` logs each agent as an MLflow ``transformers`` model, registers one
   model per agent role (``<name>-agent-<i>``) with run/algorithm/spec-hash tags and sets an
-  alias (``candidate``); :func:`promote` moves ``champion`` to the candidate versions.
+  alias (``candidate``), its prompts bounded as the rollout bounds them (:func:`left_truncating`);
+  :func:`promote` moves ``champion`` to the candidate versions.
 """
 
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
 import threading
@@ -45,7 +51,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 from comlrl.executables import executable
 from comlrl.callbacks import TrainerCallback
-from comlrl.tracking_spool import (CALL_THREAD, Damaged, Sender, Spool, SpoolBusy, SpoolDamaged, SpoolError,
+from comlrl.tracking_spool import (CALL_THREAD, Sender, Spool, SpoolBusy, SpoolDamaged, SpoolError,
                                    find_spools, mlflow_client, permanent_error, replay)
 
 logger = logging.getLogger(__name__)
@@ -316,8 +322,9 @@ class MLflowCallback(TrainerCallback):
     ``drain_timeout``: the most seconds all end-of-run waits for delivery take together.
     ``retry_interval`` / ``max_retry_interval``: the sender's backoff while the server is down.
     ``send_interval``: seconds between the sender's deliveries (a flush or close delivers at once).
-    A spool left by an earlier process for the same run is delivered first, and the metric steps it
-    holds are not spooled again (a resumed run re-running the steps after its checkpoint).
+    A spool left by an earlier process for the same run is delivered first. A checkpoint keeps how far
+    the spool had come (:meth:`state_dict`); a run resumed from it does not log again a (key, step) spooled
+    before that, and its values supersede what an earlier attempt spooled after it (the module docstring).
     """
 
     def __init__(self, identity: dict[str, Any], spool_dir: str | Path | None = None, drain_timeout: float = 20.0,
@@ -337,26 +344,30 @@ class MLflowCallback(TrainerCallback):
         self.spool = Spool(directory, identity)
         self.sender = Sender(self.spool, identity["tracking_uri"], interval=send_interval,
                              retry_interval=retry_interval, max_retry_interval=max_retry_interval)
-        self.spooled_steps = self.spool.logged_steps()  # key -> the last step an earlier process spooled
+        self._resumed_at: int | None = None  # spool bytes when the checkpoint being restored was taken
+        self.kept_steps: dict[str, int] = {}  # key -> the last step of the resumed history (not logged again)
         self.skipped_values = 0
+        self.superseded_values = 0  # points of an earlier attempt that this run's values replace
+        self._timestamp_floor = 0  # a superseding point is later than every point it may supersede
         self.closed = False
         _OPEN[identity["run_id"]] = self
 
     # ----- what the trainer and the flow send: durable spool appends ----------------------------
     def on_log(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
-        """Spool ``metrics`` of ``step``; on disk when this returns. A value of a key the spool held
-        at this step or later when the callback opened is a re-run step of a resumed run: skipped."""
-        now_ms, skipped_before = int(time.time() * 1000), self.skipped_values
+        """Spool ``metrics`` of ``step``; on disk when this returns. A value of a key whose resumed history
+        (spooled before the checkpoint this run resumed from) reaches this step is not logged again.
+        A NaN or inf is logged as it is (MLflow keeps NaN, and stores +-inf as +-1.797e308)."""
+        now_ms, skipped_before = max(int(time.time() * 1000), self._timestamp_floor), self.skipped_values
         entries = []
         for name, value in metrics.items():
             key = name.replace("@", "_")
-            if key in self.spooled_steps and step <= self.spooled_steps[key]:
+            if key in self.kept_steps and step <= self.kept_steps[key]:
                 self.skipped_values += 1
                 continue
             entries.append([key, float(value), now_ms, int(step)])
         if skipped_before == 0 < self.skipped_values:
-            logger.info("MLflow run %s: step %d and the steps after it that %s already holds are not logged again "
-                        "(a resumed run re-runs them)", self.identity["run_id"], step, self.spool.path)
+            logger.info("MLflow run %s: step %d and the steps after it that %s held when the run's checkpoint was "
+                        "taken are not logged again", self.identity["run_id"], step, self.spool.path)
         if entries:
             self._put({"metrics": entries})
 
@@ -382,6 +393,37 @@ class MLflowCallback(TrainerCallback):
     # ----- the end of a run: bounded waits ------------------------------------------------------
     def on_train_begin(self, trainer: Any) -> None:
         trainer.record_tracking_run("mlflow", self.identity)  # checkpoints name the run; a resume logs to it again
+        self._continue_history()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the callback: how far the run's spool had come when it was taken."""
+        return {"run_id": self.identity["run_id"], "spool_bytes": self.spool.size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a checkpoint of this MLflow run: the metric points spooled before it are its history."""
+        if state.get("run_id") == self.identity["run_id"]:
+            self._resumed_at = min(int(state["spool_bytes"]), self.spool.size)
+
+    def _continue_history(self) -> None:
+        """Split what the spool holds at the start of training: the resumed history (before the checkpoint's
+        offset; nothing for a run that did not resume) and the points an earlier attempt logged after it."""
+        resumed, self._resumed_at = self._resumed_at, None  # this start's, not the next one's
+        cut = resumed if resumed is not None else self.spool.header_end
+        self.kept_steps, self.superseded_values, superseded_steps, latest = {}, 0, set(), 0
+        for end, (key, _, timestamp, step) in self.spool.metric_points():
+            latest = max(latest, int(timestamp))
+            if end <= cut:
+                self.kept_steps[key] = max(int(step), self.kept_steps.get(key, int(step)))
+            else:
+                self.superseded_values += 1
+                superseded_steps.add(int(step))
+        self._timestamp_floor = latest + 1
+        if superseded_steps:
+            logger.warning("MLflow run %s: %d metric values that an earlier attempt logged after %s (steps %d-%d) give "
+                           "way to this run's values where it logs the same steps; MLflow keeps both points, the "
+                           "later one is the value", self.identity["run_id"], self.superseded_values,
+                           "the checkpoint restored" if resumed is not None else "the run's start",
+                           min(superseded_steps), max(superseded_steps))
 
     def on_train_end(self, trainer: Any) -> None:
         self.flush()
@@ -438,16 +480,24 @@ atexit.register(close_all)
 
 def logged_metrics(callback: MLflowCallback, prefix: str = "") -> dict[str, list[tuple[int, float]]]:
     """``key -> [(step, value), ...]`` (by step) of every metric named ``prefix...`` in the run's spool: what
-    every process of the run logged, delivered or not, each (key, step) once (see :class:`MLflowCallback`),
-    so the MLflow run's metric history whatever crashes and resumes came between."""
-    points: dict[str, list[tuple[int, float]]] = {}
-    for _, record in callback.spool.entries(callback.spool.header_end):
-        if isinstance(record, Damaged):
-            continue
-        for key, value, _, step in record.get("metrics", ()):
-            if key.startswith(prefix):
-                points.setdefault(key, []).append((int(step), float(value)))
-    return {key: sorted(values, key=lambda point: point[0]) for key, values in points.items()}
+    every process of the run logged, delivered or not, the latest point of each (key, step) (a resumed run's
+    value over a dead attempt's, see the module docstring): the MLflow run's metrics whatever crashes and
+    resumes came between."""
+    points: dict[str, dict[int, float]] = {}
+    for _, (key, value, _, step) in callback.spool.metric_points():
+        if key.startswith(prefix):
+            points.setdefault(key, {})[int(step)] = float(value)
+    return {key: sorted(values.items()) for key, values in points.items()}
+
+
+def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    """``[(step, value), ...]`` (by step) of ``key`` in an MLflow run as a reader should take it: each step's
+    latest point, which supersedes what an attempt that died after its last checkpoint logged there."""
+    latest: dict[int, tuple[int, float]] = {}
+    for point in mlflow_client(tracking_uri).get_metric_history(run_id, key):
+        if point.step not in latest or point.timestamp >= latest[point.step][0]:
+            latest[point.step] = (point.timestamp, point.value)
+    return [(step, value) for step, (_, value) in sorted(latest.items())]
 
 
 def training_points(history: Sequence[dict[str, float]], metric: str = "reward_mean") -> list[tuple[int, float]]:
@@ -510,11 +560,13 @@ def register_agents(
     alias: str = "candidate",
     input_example: str | None = None,
     signature: Any = None,
+    prompt_limits: Sequence[int | None] | None = None,
 ) -> list[dict[str, str]]:
     """Log every agent as a ``text-generation`` model in the run (with ``input_example``, a prompt, and
     ``signature``; MLflow infers the signature by generating when it is None), register it as
     ``<base_name>-agent-<i>``, tag the version and point ``alias`` at it (once per run: a repeated call
-    reuses the run's versions)."""
+    reuses the run's versions). ``prompt_limits`` (one per agent, None: unbounded): the prompt tokens the served
+    model keeps (:func:`left_truncating`), the rollout's bound (``comlrl.rollout.generation.prompt_token_limit``)."""
     import mlflow
 
     client = mlflow_client(identity["tracking_uri"])
@@ -528,6 +580,7 @@ def register_agents(
             client.set_registered_model_alias(name, alias, version)
             registered.append({"name": name, "version": version, "alias": alias, "uri": f"models:/{name}@{alias}"})
             continue
+        tokenizer, model_config = left_truncating(tokenizer, prompt_limits[index] if prompt_limits else None)
         with mlflow.start_run(run_id=identity["run_id"]):
             info = mlflow.transformers.log_model(
                 transformers_model={"model": model, "tokenizer": tokenizer},
@@ -537,6 +590,7 @@ def register_agents(
                 registered_model_name=name,
                 input_example=input_example,
                 signature=signature,
+                model_config=model_config,
             )
         version = str(info.registered_model_version)
         for key, value in {**tags, "agent_index": str(index), RUN_KEY_TAG: tags.get(RUN_KEY_TAG, "")}.items():
@@ -544,6 +598,18 @@ def register_agents(
         client.set_registered_model_alias(name, alias, version)
         registered.append({"name": name, "version": version, "alias": alias, "uri": f"models:/{name}@{alias}"})
     return registered
+
+
+def left_truncating(tokenizer: Any, limit: int | None) -> tuple[Any, dict[str, Any] | None]:
+    """A copy of ``tokenizer`` that truncates on the left, and the pipeline settings (MLflow's ``model_config``,
+    saved with the model) that ask it for at most ``limit`` prompt tokens: a served agent keeps a prompt's last
+    ``limit`` tokens, as the rollout does. ``(tokenizer, None)`` without a limit."""
+    if limit is None:
+        return tokenizer, None
+    bounded = copy.deepcopy(tokenizer)  # the trainer's own tokenizer stays as it is
+    bounded.truncation_side = "left"
+    bounded.init_kwargs["truncation_side"] = "left"  # what save_pretrained writes, so loading keeps it
+    return bounded, {"tokenizer_encode_kwargs": {"truncation": True, "max_length": int(limit)}}
 
 
 def promote(

@@ -364,15 +364,21 @@ class Spool:
         """``(end offset, record)`` for every whole record after ``acked``."""
         return ((end, record) for end, record in self.entries() if not isinstance(record, Damaged))
 
-    def logged_steps(self) -> dict[str, int]:
-        """The highest step of every metric key in the whole spool (delivered or not)."""
+    def metric_points(self) -> Iterator[tuple[int, list[Any]]]:
+        """``(end offset of its record, [key, value, timestamp_ms, step])`` of every metric point in the whole
+        spool (delivered or not), in the order they were logged."""
+        for end, record in self.entries(self.header_end):
+            if not isinstance(record, Damaged):
+                for point in record.get("metrics", ()):
+                    yield end, point
+
+    def logged_steps(self, until: int | None = None) -> dict[str, int]:
+        """The highest step of every metric key in the whole spool (delivered or not), or in the records
+        that end at or before byte ``until``."""
         steps: dict[str, int] = {}
-        for _, record in self.entries(self.header_end):
-            if isinstance(record, Damaged):
-                continue
-            for key, _, _, step in record.get("metrics", ()):
-                if key not in steps or step > steps[key]:
-                    steps[key] = int(step)
+        for end, (key, _, _, step) in self.metric_points():
+            if (until is None or end <= until) and (key not in steps or step > steps[key]):
+                steps[key] = int(step)
         return steps
 
     def deliver(self, client: Any) -> DeliveryReport:

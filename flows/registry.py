@@ -7,6 +7,10 @@ Registered names for a spec whose ``registry.model_name`` (default: its name) is
 - ``NAME-agent-<i>``: each agent alone, an MLflow ``transformers`` text-generation model
   (:func:`comlrl.tracking.register_agents`), for those who want one agent.
 
+Both bound a prompt as the run's rollout does (its last tokens that fit, :mod:`comlrl.rollout.generation`):
+the team through its saved settings, each agent through its saved tokenizer and pipeline settings. The input
+examples (the first eval rows) are stored cut the same way (:func:`bounded_example`).
+
 Every version carries the run's tags (``comlrl.run_id``, ``comlrl.algorithm``,
 ``comlrl.spec_hash``, ``mlflow.run_id``) and the spec's alias (``candidate``); the team version
 also ``comlrl.agent_versions`` (the agent versions of the same run). Registration is idempotent per
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from comlrl import tracking
+from comlrl.rollout.generation import bounded_prompt, prompt_token_limit
 from comlrl.tracking import mlflow_client
 from comlrl.team_model import TeamSettings, log_team_model, save_team
 from flows.spec import RunSpec
@@ -33,17 +38,34 @@ def team_model_name(base: str) -> str:
 
 
 def example_prompts(trainer: Any, count: int = 2) -> list[str]:
-    """Prompts of the eval set (else the train set) for input examples."""
+    """Prompts of the eval set (else the train set) for input examples, bounded (:func:`bounded_example`)."""
     return [row["prompt"] for row in example_rows(trainer, count)]
 
 
 def example_rows(trainer: Any, count: int = 2) -> list[dict[str, str]]:
-    """Rows of the eval set (else the train set) for the team's input example: the prompt and the row's other
-    text fields, which formatters may read (the coding task's ``entry_point``)."""
+    """Rows of the eval set (else the train set) for the team's input example: the prompt, bounded
+    (:func:`bounded_example`), and the row's other text fields, which formatters may read (the coding task's
+    ``entry_point``)."""
     dataset = trainer.eval_dataset if trainer.eval_dataset is not None else trainer.train_dataset
     rows = [dataset[index] for index in range(min(count, len(dataset)))]
     rows = [{key: value for key, value in row.items() if isinstance(value, str)} for row in rows if row.get("prompt")]
-    return [row for row in rows if isinstance(row.get("prompt"), str)] or [{"prompt": DEFAULT_EXAMPLE}]
+    rows = [row for row in rows if isinstance(row.get("prompt"), str)] or [{"prompt": DEFAULT_EXAMPLE}]
+    return [{**row, "prompt": bounded_example(trainer, row["prompt"])} for row in rows]
+
+
+def prompt_limits(trainer: Any) -> list[int | None]:
+    """The prompt tokens each agent's rollout keeps (None: all of them)."""
+    rollout = trainer.rollout_spec
+    return [prompt_token_limit(agent, rollout.sampling.max_new_tokens, rollout.max_prompt_length)
+            for agent in trainer.agents]
+
+
+def bounded_example(trainer: Any, prompt: str) -> str:
+    """``prompt`` as the run's rollout feeds it (:func:`comlrl.rollout.generation.bounded_prompt`: its last tokens
+    that fit, cut on the left), the shortest over the agents. MLflow runs the model on an input example when it
+    logs one, and keeps it with the model: an eval prompt of any size must cost no more than training's."""
+    return min((bounded_prompt(tokenizer, prompt, limit)
+                for tokenizer, limit in zip(trainer.tokenizers, prompt_limits(trainer))), key=len)
 
 
 def team_settings(trainer: Any, spec: RunSpec) -> TeamSettings:
@@ -82,10 +104,12 @@ def register_team(identity: dict[str, Any], trainer: Any, spec: RunSpec, tags: d
 
 def register_agents(identity: dict[str, Any], trainer: Any, spec: RunSpec, tags: dict[str, str],
                     alias: str) -> list[dict[str, str]]:
-    """Every agent as its own text-generation model (``NAME-agent-<i>``), with an input example."""
+    """Every agent as its own text-generation model (``NAME-agent-<i>``), with an input example; served, it keeps
+    as many prompt tokens as its rollout does."""
     return tracking.register_agents(identity, trainer.agents, trainer.tokenizers, spec.registered_name, tags, alias,
                                     input_example=example_prompts(trainer, 1)[0],
-                                    signature=agent_signature(trainer.args.max_new_tokens))
+                                    signature=agent_signature(trainer.args.max_new_tokens),
+                                    prompt_limits=prompt_limits(trainer))
 
 
 def agent_signature(max_new_tokens: int) -> Any:

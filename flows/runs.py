@@ -24,7 +24,7 @@ from typing import Any
 
 from comlrl.checkpointing.lock import DirectoryLock, DirectoryLockedError
 from flows.spec import RunSpec, check_run_id, spec_hash
-from flows.tracking_store import default_tracking_uri
+from flows.tracking_store import default_tracking_uri, sqlite_uri
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,11 @@ def configure_embedded_default(workdir: str | Path) -> dict[str, str]:
         # The ephemeral server has no CSRF protection; without this the client asks it for a token
         # (a refused extra request) for every new API client, one per boundary subflow.
         defaults["PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"] = "false"
+        # The embedded server's database where Prefect puts it by default (PREFECT_HOME/prefect.db), named so that
+        # any workdir name survives: Prefect pastes PREFECT_HOME into a URI, where a "?" would end the path.
+        defaults["PREFECT_API_DATABASE_CONNECTION_URL"] = sqlite_uri(workdir / "prefect" / "prefect.db",
+                                                                     "sqlite+aiosqlite")
+        (workdir / "prefect").mkdir(parents=True, exist_ok=True)
     applied = {}
     for key, value in defaults.items():
         if key not in os.environ:

@@ -15,8 +15,9 @@ def embedded_store(workdir: str | Path) -> Path:
     return Path(workdir).resolve() / "mlflow" / "mlflow.db"
 
 
-def sqlite_uri(database: Path) -> str:
-    """The SQLAlchemy URI that MLflow and SQLAlchemy both resolve to exactly the file ``database`` (absolute).
+def sqlite_uri(database: Path, scheme: str = "sqlite") -> str:
+    """The SQLAlchemy URI (``scheme``: ``sqlite``, or ``sqlite+aiosqlite`` for Prefect's server) that MLflow and
+    SQLAlchemy both resolve to exactly the file ``database`` (absolute).
 
     SQLAlchemy percent-decodes the database part and ends it at a ``?``, so a path holding ``%`` or ``?`` cannot be
     written plainly; percent-encoding it instead makes MLflow create the encoded parent directory beside the
@@ -26,8 +27,8 @@ def sqlite_uri(database: Path) -> str:
     """
     text = str(database)
     if "%" not in text and "?" not in text and text.isprintable():
-        return f"sqlite:///{text}"
-    return "sqlite:///" + quote("file:" + quote(os.fsencode(database)), safe="") + "?uri=true"
+        return f"{scheme}:///{text}"
+    return f"{scheme}:///" + quote("file:" + quote(os.fsencode(database)), safe="") + "?uri=true"
 
 
 def embedded_tracking_uri(workdir: str | Path) -> str:

@@ -74,7 +74,8 @@ def gone_within(pid: int, seconds: float) -> bool:
 
 @pytest.mark.parametrize("moment, stop", [("serving", signal.SIGKILL), ("starting up", signal.SIGTERM)])
 def test_a_run_that_dies_without_its_exit_hooks_takes_the_server_along(moment, stop, tmp_path):
-    process = starter(tmp_path / "work")
+    workdir = tmp_path / "work?x=1 %41"  # URI syntax: the server's database stays inside it all the same
+    process = starter(workdir)
     server = server_of(process)
     if moment == "serving":
         assert process.stdout.readline().strip() == "started"
@@ -84,3 +85,4 @@ def test_a_run_that_dies_without_its_exit_hooks_takes_the_server_along(moment, s
     process.send_signal(stop)
     process.wait(30)
     assert gone_within(server, 60), f"the embedded server (pid {server}) outlived its run ({moment})"
+    assert [path.name for path in tmp_path.iterdir()] == [workdir.name]

@@ -7,6 +7,7 @@ store is read with ``sqlite3``, not through the code under test."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import sqlite3
 import subprocess
@@ -69,10 +70,14 @@ def environment() -> dict[str, str]:
     return {**clean, "HF_HUB_OFFLINE": "1"}
 
 
-def start(arguments: list[str], cwd: Path) -> subprocess.Popen:
+def start(arguments: list[str], cwd: Path, file_size_limit: int | None = None) -> subprocess.Popen:
+    """``comlrl`` with ``arguments``; ``file_size_limit`` bytes per file (RLIMIT_FSIZE: a write beyond it fails
+    with EFBIG, as on a full disk; Python ignores SIGXFSZ) stands for a disk with that little room."""
     cwd.mkdir(exist_ok=True)
+    limit = None if file_size_limit is None else (
+        lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit)))
     return subprocess.Popen([COMLRL, *arguments], env=environment(), cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=limit)
 
 
 def finished(process: subprocess.Popen, timeout: float = 400) -> tuple[int, str, str]:
@@ -115,8 +120,16 @@ def test_a_failure_after_the_start_is_one_line_a_log_file_and_a_failed_mlflow_ru
     spec, root = project(tmp_path, mode=f"fail-{split}")
     workdir, cwd = tmp_path / "work", tmp_path / "cwd"
     before = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*"))
-    code, stdout, stderr = finished(start(["run", str(spec), "--root", str(root), "--workdir", str(workdir),
-                                           "--run-id", RUN_ID], cwd))
+    command = ["run", str(spec), "--root", str(root), "--workdir", str(workdir), "--run-id", RUN_ID]
+    if split == "train":  # first on a disk too full for the MLflow store: refused, nothing half-made, retry works
+        started = time.monotonic()
+        code, _, stderr = finished(start(command, cwd, file_size_limit=250_000))
+        assert code == 2 and time.monotonic() - started < REFUSAL_SECONDS, stderr[-4000:]
+        line = closing_line(stderr)
+        assert f"could not create the MLflow store {workdir / 'mlflow' / 'mlflow.db'}" in line, line
+        assert "run the same command again" in line and not list((workdir / "mlflow").glob("mlflow.db*"))
+        assert not (workdir / "prefect").exists() and not (workdir / "runs").exists()  # no server, no run
+    code, stdout, stderr = finished(start(command, cwd))
     assert code == 1, stderr[-4000:]
     line = closing_line(stderr)
     assert f"run {RUN_ID} failed: RewardCallError: reward function reward raised ValueError: the judge is down " \
@@ -140,7 +153,9 @@ def test_a_stop_during_the_end_of_a_run_leaves_it_killed_and_resume_finishes_it(
     KILLED; ``comlrl resume`` then registers the agents and the team and ends it FINISHED. Then the run's spec
     copy is edited and the run's lock held by this process: ``comlrl resume`` lists both, exit 2, no server."""
     spec, root = project(tmp_path, mode="stall-eval")
-    workdir, cwd = tmp_path / "work", tmp_path / "cwd"
+    # A workdir name that is URI syntax in each part (a query, a percent escape, a fragment, a space, not ASCII):
+    # the MLflow store, its artifacts and the registry stay inside it.
+    workdir, cwd = tmp_path / "work?x=1 %41#é", tmp_path / "cwd"
     process = start(["run", str(spec), "--root", str(root), "--workdir", str(workdir), "--run-id", RUN_ID], cwd)
     deadline = time.monotonic() + 400
     while not (root / "gate-started").exists():
@@ -184,6 +199,8 @@ def test_a_stop_during_the_end_of_a_run_leaves_it_killed_and_resume_finishes_it(
     assert "was started from another spec" in lines[0] and str(copy) in lines[0], lines
     assert "is being trained by another process" in lines[1] and "flow.lock" in lines[1], lines
     assert statuses(workdir) == ["FINISHED"]  # the refusal touched nothing
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["project", "cwd", workdir.name])
+    assert not list(cwd.iterdir()) and list((workdir / "mlflow" / "artifacts").rglob("MLmodel"))
 
 
 # ---- the closing line's advice, on real run directories --------------------------------------------------------

@@ -1,8 +1,8 @@
 """Faults in the tracking path, against real files and a real `mlflow server` on loopback (issue 26):
 a torn or corrupted spool is delivered but for its damaged bytes, a failed write never leaves half
 a record, a step whose ``on_log`` returned survives SIGKILL, a killed and resumed run gives MLflow
-every step once, and `comlrl sync` / `comlrl promote` end within their deadline against a hung
-server, telling "unreachable" (75) from "unreadable" (65).
+every step with the resumed run's value, and `comlrl sync` / `comlrl promote` end within their deadline
+against a hung server, telling "unreachable" (75) from "unreadable" (65).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ KILLED_RUN = textwrap.dedent("""
 """)
 
 
-def test_a_run_killed_and_resumed_gives_mlflow_every_step_once(server, tiny_llama, tmp_path):
+def test_a_run_killed_and_resumed_gives_mlflow_every_step_with_the_resumed_runs_value(server, tiny_llama, tmp_path):
     identity = tracking.open_run(server.url, "faults", "killed-and-resumed")
     spools, checkpoints = tmp_path / "tracking", tmp_path / "checkpoints"
     with open(tmp_path / "killed.log", "w") as log:
@@ -209,9 +209,13 @@ def test_a_run_killed_and_resumed_gives_mlflow_every_step_once(server, tiny_llam
     tiny_trainer(tiny_llama, [callback]).train(checkpoint_dir=checkpoints, resume_from_checkpoint="latest")
     assert callback.close(), callback.undelivered_message()
     keys = list(client.get_run(identity["run_id"]).data.metrics)
-    assert "reward_mean" in keys and callback.skipped_values == 2 * len(keys)  # steps 4 and 5, logged before
+    # Steps 4 and 5 came after the checkpoint: the killed attempt's points are superseded by the resumed
+    # run's (MLflow keeps both, the later is the value); nothing of steps 1-3 is logged again.
+    assert "reward_mean" in keys and callback.superseded_values == 2 * len(keys) and callback.skipped_values == 0
     for key in keys:
-        assert sorted(m.step for m in client.get_metric_history(identity["run_id"], key)) == list(range(1, 10)), key
+        steps = sorted(m.step for m in client.get_metric_history(identity["run_id"], key))
+        assert steps == [1, 2, 3, 4, 4, 5, 5, 6, 7, 8, 9], key
+        assert [step for step, _ in tracking.metric_history(server.url, identity["run_id"], key)] == list(range(1, 10))
 
 
 COMMAND = textwrap.dedent("""

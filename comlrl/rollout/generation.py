@@ -94,20 +94,39 @@ def encode_prompts(
     if empty:  # nothing to generate from (all empty: a reshape error deep in the model)
         raise ValueError(f"prompts {empty} of this batch (of {len(prompts)}) encode to no tokens; every prompt needs "
                          "at least one token")
-    if max_prompt_length is not None and ids.shape[1] > max_prompt_length:
-        lengths = mask.sum(dim=1)
-        too_long = (lengths > max_prompt_length).nonzero().flatten().tolist()
-        if overflow == "error":
-            raise ValueError(
-                f"prompt {too_long[0]} has {int(lengths[too_long[0]])} tokens but only {max_prompt_length} fit "
-                "(context minus max_new_tokens, or max_prompt_length); shorten it or set prompt_overflow='truncate'"
-            )
-        logger.warning("truncating %d prompt(s) to their last %d tokens", len(too_long), max_prompt_length)
-        # Left padding puts every prompt's last tokens in the rightmost columns.
-        ids, mask = ids[:, -max_prompt_length:], mask[:, -max_prompt_length:]
+    ids, mask = truncate_prompts(ids, mask, max_prompt_length, overflow)
     if num_embeddings is not None:
         check_ids_in_range(ids, num_embeddings, "prompt", tokenizer)
     return ids.to(device), mask.to(device)
+
+
+def truncate_prompts(ids: torch.Tensor, mask: torch.Tensor, max_prompt_length: int | None,
+                     overflow: str = "truncate") -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt bound: left-padded rows over ``max_prompt_length`` tokens keep their last ``max_prompt_length``
+    (with a warning), or raise when ``overflow="error"``; unchanged when every row fits or there is no bound."""
+    if max_prompt_length is None or ids.shape[1] <= max_prompt_length:
+        return ids, mask
+    lengths = mask.sum(dim=1)
+    too_long = (lengths > max_prompt_length).nonzero().flatten().tolist()
+    if overflow == "error":
+        raise ValueError(
+            f"prompt {too_long[0]} has {int(lengths[too_long[0]])} tokens but only {max_prompt_length} fit "
+            "(context minus max_new_tokens, or max_prompt_length); shorten it or set prompt_overflow='truncate'"
+        )
+    logger.warning("truncating %d prompt(s) to their last %d tokens", len(too_long), max_prompt_length)
+    # Left padding puts every prompt's last tokens in the rightmost columns.
+    return ids[:, -max_prompt_length:], mask[:, -max_prompt_length:]
+
+
+def bounded_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, max_prompt_length: int | None) -> str:
+    """``prompt`` as generation feeds it with ``max_prompt_length`` tokens (:func:`prompt_token_limit`): the prompt
+    itself when it fits, else the text of the last tokens :func:`encode_prompts` keeps. For text that stands in for
+    a prompt outside a rollout, such as a registered model's input example."""
+    ids = torch.tensor([tokenizer([prompt], add_special_tokens=False)["input_ids"][0]], dtype=torch.long)
+    kept, _ = truncate_prompts(ids, torch.ones_like(ids), max_prompt_length)
+    if kept.shape[1] == ids.shape[1]:
+        return prompt
+    return tokenizer.decode(kept[0].tolist(), skip_special_tokens=False)
 
 
 class _UnmergedGenerationConfig(GenerationConfig):

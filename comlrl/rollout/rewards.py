@@ -17,11 +17,12 @@ calls do, is from then on called once per joint sample.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy
 import torch
@@ -237,6 +238,16 @@ class JointReward:
 
     def _all_functions(self) -> list[RewardFunc]:
         return self.funcs + list(self.monitors.values())
+
+    @contextlib.contextmanager
+    def drops_counted_apart(self) -> Iterator[Callable[[], int]]:
+        """Samples dropped inside the block (an evaluation's) are left out of ``dropped``, training's count;
+        yields a function that says how many were dropped inside the block so far."""
+        before = self.dropped
+        try:
+            yield lambda: self.dropped - before
+        finally:
+            self.dropped = before
 
     def state_dict(self) -> dict[str, Any]:
         return {"dropped": self.dropped, "per_sample": sorted(self._per_sample)}

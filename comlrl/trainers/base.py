@@ -6,6 +6,7 @@ The steps and epochs are :class:`~comlrl.trainers.epochs.EpochSteps`'; the loop 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -491,17 +492,20 @@ class MultiAgentTrainer(EpochSteps):
         Runs the trainer's ``rollout`` and ``score`` stages under a fixed seed inside a forked
         RNG (every GPU in use included), so evaluating never changes training. ``num_eval_samples``
         is 1.4.3's name of ``num_samples``. With ``eval_logger`` and ``eval_aggregator`` both given,
-        their metrics are added under ``eval/``.
+        their metrics are added under ``eval/``. The samples whose reward was dropped (``invalid_reward="drop"``)
+        are counted in ``eval/reward/dropped``, this evaluation's own count; training's ``reward/dropped``
+        never counts them.
         """
         num_samples = resolve_num_samples(num_samples, num_eval_samples)
         dataset = dataset if dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
         count = min(num_samples or self.args.eval_num_samples, len(dataset))
-        with activity("evaluate"):
+        scorer = reward or self.reward
+        with activity("evaluate"), scorer.drops_counted_apart() as dropped:
             rollout, [rewards] = self.evaluation_rollout([dataset[i] for i in range(count)], [reward])
-        metrics = self.rollout_metrics(rollout, rewards)
-        metrics.update((reward or self.reward).drain_monitor_metrics())
+            metrics = {**self.rollout_metrics(rollout, rewards), "reward/dropped": float(dropped())}
+        metrics.update(scorer.drain_monitor_metrics())
         if self.eval_logger is not None and self.eval_aggregator is not None:
             metrics.update(self.logged_eval_metrics(rollout))
         return {f"eval/{name}": value for name, value in metrics.items()}
@@ -518,8 +522,11 @@ class MultiAgentTrainer(EpochSteps):
 
     def sample_rewards(self, dataset: Any, rewards: Sequence[JointReward]) -> list[torch.Tensor]:
         """Every row of ``dataset`` sampled once as :meth:`evaluate` samples, scored by each of ``rewards``:
-        the first turn's joint rewards, ``[rows, joint samples]``, per reward."""
-        _, scored = self.evaluation_rollout([dataset[i] for i in range(len(dataset))], list(rewards))
+        the first turn's joint rewards, ``[rows, joint samples]``, per reward (their drops are not training's)."""
+        with contextlib.ExitStack() as apart:
+            for reward in rewards:
+                apart.enter_context(reward.drops_counted_apart())
+            _, scored = self.evaluation_rollout([dataset[i] for i in range(len(dataset))], list(rewards))
         return [turns[0] for turns in scored]
 
     def logged_eval_metrics(self, rollout: Rollout) -> dict[str, Any]:
@@ -552,12 +559,13 @@ class MultiAgentTrainer(EpochSteps):
             metrics[f"{name}/learning_rate"] = result.learning_rate
         return metrics
 
-    def flush_optimizers(self) -> None:
+    def flush_optimizers(self) -> dict[str, float]:
         """Apply every partial accumulation window (end of an epoch): no gradient is left unapplied; the
-        steps' metrics join the epoch's last history row."""
+        steps' metrics join the epoch's last history row, and are returned (for the epoch's last log)."""
         metrics = self.record_steps({name: component.flush() for name, component in self.model_optimizers.items()})
         if metrics and self.state.history:
             self.state.history[-1].update(metrics)
+        return metrics
 
     def record_nonfinite(self, skipped: int) -> None:
         """Count skipped updates; too many in a row stop the run (see ``max_nonfinite_updates``)."""

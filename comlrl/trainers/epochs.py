@@ -10,6 +10,13 @@ A step is a short sequence of public stage methods (``step_stages``: rollout -> 
 advantages -> update); :meth:`EpochSteps.train_step` runs them in order. Stages marked
 ``updates`` change weights or gradients: an exception before the first of them leaves the
 trainer consistent once the step's RNGs and reward counters are put back (:class:`~comlrl.training.loop.StepGuard`).
+
+Logging. A step's metrics join the run's logging window (:class:`~comlrl.training.metrics.MetricWindow`),
+whose means reach the callbacks' ``on_log`` every ``logging_steps`` global steps and at the end of every
+epoch: the epoch's last window, partial or not, with the metrics of the optimizer steps the epoch's end
+applies (a partial accumulation window). What is logged therefore never depends on where a run was
+stopped and resumed: an epoch's checkpoint holds no open window, and a mid-epoch one holds its steps in
+the history, from which :meth:`EpochSteps.logging_window` reopens it.
 """
 
 from __future__ import annotations
@@ -146,17 +153,28 @@ class EpochSteps(TrainingLoop):
 
     def train_steps(self, until_epoch: int, window: MetricWindow) -> None:
         """Steps and epoch ends until ``state.epoch`` reaches ``until_epoch`` (a preference run's policy
-        stage); stop requests, evaluation and history as in a run of this trainer."""
+        stage); stop requests, evaluation, history and logging as in a run of this trainer."""
         while self.state.epoch < until_epoch:
             while self.steps_left():
                 self.take_step(window)
-            self.end_epoch()
+            self.end_epoch(window)
 
-    def close_boundary(self) -> dict[str, float]:
+    def close_boundary(self, window: MetricWindow | None = None) -> dict[str, float]:
         if self.steps_left():
             raise RuntimeError(f"close_boundary() with {self.steps_left()} steps of epoch {self.state.epoch + 1} left")
-        self.end_epoch()
+        self.end_epoch(window)
         return {}
+
+    def logging_window(self) -> MetricWindow:
+        """The logging window where the run stands: the history's steps since the last log (none at an
+        epoch's start), so a run resumed between two logs sends the same means as one never stopped."""
+        step, in_epoch, every = self.state.global_step, self.state.step_in_epoch, self.args.logging_steps
+        last_logged = max(step - in_epoch, step // every * every) if in_epoch else step
+        window, fields = MetricWindow(), {"step", "epoch", *self.history_tags}
+        for row in self.history:
+            if row.get("step", 0) > last_logged:
+                window.add({k: v for k, v in row.items() if k not in fields}, self.model_optimizers)
+        return window
 
     def begin_step(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The values a step's stages read and write, starting from the batch's rows."""
@@ -197,7 +215,9 @@ class EpochSteps(TrainingLoop):
         self.state.history.append({"step": self.state.global_step, "epoch": self.state.epoch, **self.history_tags,
                                    **metrics})
         self.step_guard.end()  # counted: the state is consistent again
-        self._log(window, metrics)
+        window.add(metrics, self.model_optimizers)
+        if self.state.global_step % self.args.logging_steps == 0:
+            self.log_window(window)
         self._maybe_evaluate()
         if progress is not None:
             progress.update(1)
@@ -206,17 +226,21 @@ class EpochSteps(TrainingLoop):
         if request is not None and request.requested:
             raise TrainingInterrupted(f"{request.signal_name} received: stopped after step {self.state.global_step}")
 
-    def end_epoch(self) -> None:
-        self.flush_optimizers()
+    def end_epoch(self, window: MetricWindow | None = None) -> None:
+        """Apply the epoch's pending gradients and log the epoch's last ``window`` with those optimizer
+        steps' metrics (without a window, those metrics alone), then move to the next epoch."""
+        window = window if window is not None else MetricWindow()
+        window.add(self.flush_optimizers(), self.model_optimizers)
+        self.log_window(window)
         self.state.epoch += 1
         self.state.step_in_epoch = 0
         self.state.boundaries += 1
         dispatch(self.callbacks, "on_epoch_end", self, self.state.epoch)
 
-    def _log(self, window: MetricWindow, metrics: dict[str, float]) -> None:
-        window.add(metrics)
-        if self.state.global_step % self.args.logging_steps == 0:
-            averaged = window.flush()
+    def log_window(self, window: MetricWindow) -> None:
+        """Send ``window``'s means to the callbacks at the current global step and empty it (nothing when empty)."""
+        averaged = window.flush()
+        if averaged:
             logger.info("step %d: %s", self.state.global_step, averaged)
             dispatch(self.callbacks, "on_log", self, averaged, self.state.global_step)
 

@@ -5,8 +5,9 @@ A run is a sequence of **boundaries**, each ending in a possible checkpoint: an 
 then the epoch's end) or a PbRL stage (one call). A trainer built on :class:`TrainingLoop` provides
 
 - ``plan_boundaries(args)`` (a classmethod: the plan needs no model) and ``state`` (a :class:`TrainerState`);
-- ``steps_left()``, ``take_step(window, progress)`` and ``close_boundary()``: the steps of the
-  current boundary one at a time, then its end (an epoch's end, or the whole PbRL stage);
+- ``steps_left()``, ``take_step(window, progress)`` and ``close_boundary(window)``: the steps of the
+  current boundary one at a time, then its end (an epoch's end, or the whole PbRL stage), the run's
+  logging window (``logging_window()``: a :class:`~comlrl.training.metrics.MetricWindow`) passed to both;
 - ``recover_after_failure()``: whether its state is consistent after an exception ended a step;
 - ``history`` and ``evaluations``: the per-step metrics and the evaluations made so far;
 - what the checkpoint runner reads (:mod:`comlrl.checkpointing.runner`): ``checkpoint_modules()``,
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 from comlrl.progress import Boundary
 from comlrl.seeding import capture_rng_state, restore_rng_state
+from comlrl.training.metrics import MetricWindow
 from comlrl.training.signals import StopRequest
 
 logger = logging.getLogger(__name__)
@@ -94,9 +96,15 @@ class TrainingLoop:
         """The next training step of the current boundary, counted and recorded."""
         raise NotImplementedError
 
-    def close_boundary(self) -> dict[str, float]:
-        """End the current boundary (an epoch's end, or a whole PbRL stage); the stage's metrics."""
+    def close_boundary(self, window: Any = None) -> dict[str, float]:
+        """End the current boundary (an epoch's end, logging what ``window`` holds, or a whole PbRL stage);
+        the stage's metrics."""
         raise NotImplementedError
+
+    def logging_window(self) -> MetricWindow:
+        """The run's logging window as the trainer's progress leaves it (empty here: nothing is open between
+        boundaries)."""
+        return MetricWindow()
 
     def recover_after_failure(self) -> bool:
         """After an exception: whether the state is consistent (see :class:`StepGuard`)."""

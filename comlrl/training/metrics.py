@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Iterable
+from typing import Collection, Iterable
 
 # Per-step counts (0 or 1 a step) that a window reports as totals: how many of its steps, not their share.
 COUNTERS = frozenset({"dpo/steps_without_pairs"})
+
+
+def update_measurement(name: str, models: Collection[str]) -> bool:
+    """Whether metric ``name`` is what the update of one of the trained ``models`` measured: its loss
+    (``agent_0/loss``, ``agent_0/policy_loss``, ``critic/value_loss``) or its gradient norm (``agent_1/grad_norm``)."""
+    model, _, measured = name.partition("/")
+    return model in models and (measured == "grad_norm" or measured == "loss" or measured.endswith("_loss"))
 
 
 class MetricWindow:
@@ -15,7 +22,10 @@ class MetricWindow:
 
     A step reports a metric by including it; NaN means "no value this step" (a statistic of nothing) and is
     left out like an absent metric, so it never turns a window's mean into NaN; a metric without any value
-    in the window is absent from the flush. ``counters`` (default :data:`COUNTERS`) are totalled instead.
+    in the window is absent from the flush. The exception is an update's own measurement
+    (:func:`update_measurement`): a NaN loss or gradient norm is what a non-finite update measured (the
+    update was skipped and counted in ``nonfinite_updates``), so it is a value, and the window's mean is
+    NaN. ``counters`` (default :data:`COUNTERS`) are totalled instead.
     """
 
     def __init__(self, counters: Iterable[str] = COUNTERS) -> None:
@@ -23,10 +33,11 @@ class MetricWindow:
         self._sums: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
 
-    def add(self, metrics: dict[str, float]) -> None:
+    def add(self, metrics: dict[str, float], models: Collection[str] = ()) -> None:
+        """Add one step's ``metrics``; ``models`` names the trained models, whose update measurements keep a NaN."""
         for name, value in metrics.items():
             value = float(value)
-            if math.isnan(value):
+            if math.isnan(value) and not update_measurement(name, models):
                 continue
             self._sums[name] += value
             self._counts[name] += 1

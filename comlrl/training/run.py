@@ -32,7 +32,6 @@ from tqdm.auto import tqdm
 from comlrl.callbacks import dispatch
 from comlrl.errors import CheckpointWriteError, TrainingInterrupted, TrainingStopped
 from comlrl.progress import Boundary
-from comlrl.training.metrics import MetricWindow
 from comlrl.seeding import set_seed
 from comlrl.training.signals import StopRequest, stop_on_signals
 
@@ -93,7 +92,7 @@ class TrainingRun:
         self.trainer = trainer
         self.runner = runner
         self.request = StopRequest()
-        self.window = MetricWindow()
+        self.window = trainer.logging_window()  # a run resumed between two logs reopens the window
         self.stopped: TrainingStopped | None = None
         self.failure_checkpoint: str | None = None
         self.reports: list[BoundaryReport] = []
@@ -185,7 +184,7 @@ class TrainingRun:
             if self.next_boundary is None:
                 return None
             self._begin_boundary()
-            metrics = self.trainer.close_boundary()
+            metrics = self.trainer.close_boundary(self.window)
             if self.request.requested:
                 raise TrainingInterrupted(f"{self.request.signal_name} received: stopped after "
                                           f"{self.plan[self.trainer.state.boundaries - 1].label}")

@@ -133,6 +133,7 @@ class MADPOIterTrainer(RewardHistogramNames, PreferenceRounds):
             # An epoch of DPO ends: no gradient left pending. History, callbacks, evaluation, stop requests.
             policy.preference_step(generations, references, self.window, end_of_pass=(step + 1) % per_epoch == 0)
             self.state.global_step = policy.state.global_step
+        policy.log_window(self.window)  # the stage's last window, partial or not, ends with it
         self.reference = None
         steps = self.state.history[start:]
         losses = [row["dpo/loss"] for row in steps if isinstance(row.get("dpo/loss"), float) and row["dpo/loss"] == row["dpo/loss"]]

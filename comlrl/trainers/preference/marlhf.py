@@ -169,7 +169,9 @@ class MARLHFTrainer(PreferenceRounds):
             self.guard = PolicySnapshot.take(policy, self.guard_scores()["task_reward"])
         policy.tag_steps(iteration=self.state.iteration, **self.reward_model_quality())
         start = len(policy.history)
-        policy.train_steps(until_epoch=(self.state.iteration + 1) * self.args.num_train_epochs, window=MetricWindow())
+        # The window as the policy's progress leaves it: a stage resumed mid-epoch logs as one never stopped.
+        policy.train_steps(until_epoch=(self.state.iteration + 1) * self.args.num_train_epochs,
+                           window=policy.logging_window())
         self.state.global_step = policy.state.global_step
         summary = MetricWindow()
         for step in policy.history:

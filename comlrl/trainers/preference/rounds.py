@@ -131,8 +131,8 @@ class PreferenceRounds(TrainingLoop):
     def take_step(self, window: Any, progress: Any = None) -> None:
         raise RuntimeError(f"{type(self).__name__}'s boundaries are stages without separate steps; use close_boundary()")
 
-    def close_boundary(self) -> dict[str, float]:
-        return self.run_next_stage()
+    def close_boundary(self, window: Any = None) -> dict[str, float]:
+        return self.run_next_stage()  # a policy stage logs through its own window
 
     def recover_after_failure(self) -> bool:
         """A failed stage is repeated from its start (see :data:`REPEATABLE_STAGES`); inside the policy
