@@ -16,6 +16,9 @@ class TrainerState:
     boundaries: int = 0
     nonfinite_updates: int = 0
     consecutive_nonfinite: int = 0
+    # The global step whose ``eval_interval`` evaluation a stop or failure cut short (0: none); a
+    # checkpoint holding it makes the resume run that evaluation, and only it, before going on.
+    pending_evaluation: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
 
 

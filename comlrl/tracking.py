@@ -3,7 +3,8 @@
 MLflow is optional (the ``pipeline`` extra); it is imported only when one of these is used.
 
 - :func:`open_run` finds or creates the MLflow run of a pipeline run (a resumed run logs into
-  the run recorded in its checkpoint's metadata, see ``trainer.run_identity["mlflow"]``).
+  the run recorded in its checkpoint's metadata, see ``trainer.run_identity["mlflow"]``, once that
+  checkpoint is known to be this pipeline run's: another run's is refused before MLflow changes).
 - :class:`MLflowCallback` sends the trainer's metrics (and, through it, params, tags, artifacts
   and the run's final status) without ever waiting for the tracking server: a send writes the
   record to an on-disk spool (:mod:`comlrl.tracking_spool`) with one ``write`` and one ``fsync``
@@ -47,7 +48,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from comlrl.executables import executable
 from comlrl.callbacks import TrainerCallback
@@ -229,6 +230,12 @@ def ensure_experiment(tracking_uri: str, name: str, artifact_root: str | Path | 
     return client.create_experiment(name, artifact_location=location)
 
 
+# The tags that say which pipeline run an MLflow run belongs to (the run id, and the spec hash where the caller
+# gives one). The identity a checkpoint records carries them as ``owner``: a resume checks them, and those of the
+# MLflow run the checkpoint names, against its own before it changes anything in MLflow.
+OWNER_TAGS = (RUN_KEY_TAG, "comlrl.spec_hash")
+
+
 def open_run(
     tracking_uri: str,
     experiment: str,
@@ -236,19 +243,28 @@ def open_run(
     identity: dict[str, Any] | None = None,
     artifact_root: str | Path | None = None,
     tags: dict[str, str] | None = None,
+    checkpoint: str | Path | None = None,
 ) -> dict[str, Any]:
-    """The identity (``run_id``, ``experiment_id``, ``tracking_uri``) of the MLflow run of ``run_key``.
+    """The identity (``run_id``, ``experiment_id``, ``tracking_uri``, ``owner``) of the MLflow run of ``run_key``.
 
-    ``identity`` (from a checkpoint's metadata) wins; otherwise a run tagged with ``run_key``
-    is reused (a run that failed before its first checkpoint); otherwise a new run starts.
+    ``identity`` (from the metadata of ``checkpoint``) wins when it belongs to this run: the :data:`OWNER_TAGS` it
+    records, then the tags of the MLflow run it names, must match ``run_key`` and ``tags``; otherwise
+    :class:`~comlrl.errors.CheckpointError` names ``checkpoint`` and what differs, and that MLflow run is left as
+    it is (only read). Without ``identity``, a run tagged with ``run_key`` is reused (a run that failed before its
+    first checkpoint); otherwise a new run starts.
     """
     bound_http_retries()
     client = mlflow_client(tracking_uri)
+    given = {RUN_KEY_TAG: run_key, **(tags or {})}
+    owner = {key: str(given[key]) for key in OWNER_TAGS if given.get(key) is not None}
     if identity and identity.get("run_id"):
-        run = client.get_run(identity["run_id"])
+        refuse_other_owner(identity.get("owner") or {}, owner, checkpoint, identity["run_id"], "its metadata records")
+        run = client.get_run(identity["run_id"])  # read only until it is known to be this run's
+        refuse_other_owner(run.data.tags, owner, checkpoint, identity["run_id"], "the MLflow run it names is tagged")
         if run.info.status != "RUNNING":
             client.update_run(run.info.run_id, status="RUNNING")
-        return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": tracking_uri}
+        return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": tracking_uri,
+                "owner": owner}
     experiment_id = ensure_experiment(tracking_uri, experiment, artifact_root)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
     if found:
@@ -256,8 +272,24 @@ def open_run(
         if run.info.status != "RUNNING":
             client.update_run(run.info.run_id, status="RUNNING")
     else:
-        run = client.create_run(experiment_id, run_name=run_key, tags={RUN_KEY_TAG: run_key, **(tags or {})})
-    return {"run_id": run.info.run_id, "experiment_id": experiment_id, "tracking_uri": tracking_uri}
+        run = client.create_run(experiment_id, run_name=run_key, tags=given)
+    return {"run_id": run.info.run_id, "experiment_id": experiment_id, "tracking_uri": tracking_uri, "owner": owner}
+
+
+def refuse_other_owner(recorded: dict[str, Any], owner: dict[str, str], checkpoint: str | Path | None,
+                       mlflow_run_id: str, where: str) -> None:
+    """:class:`~comlrl.errors.CheckpointError` when ``recorded`` gives an :data:`OWNER_TAGS` value other than
+    ``owner``'s (a value missing on either side is not compared: checkpoints from before ``owner`` was recorded)."""
+    from comlrl.errors import CheckpointError
+
+    differ = [f"{key} {recorded[key]!r} (this run: {value!r})" for key, value in owner.items()
+              if recorded.get(key) is not None and str(recorded[key]) != value]
+    if differ:
+        raise CheckpointError(
+            checkpoint if checkpoint is not None else f"naming MLflow run {mlflow_run_id}", None,
+            f"belongs to another run: {where} {', '.join(differ)}. Nothing in MLflow was changed (MLflow run "
+            f"{mlflow_run_id} keeps its status and tags). Move the checkpoint out of this run's checkpoints folder "
+            "(this run then starts from its own newest checkpoint, or afresh), or resume the run it belongs to")
 
 
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -557,15 +589,15 @@ def register_agents(
     tokenizers: Sequence[Any],
     base_name: str,
     tags: dict[str, str],
-    alias: str = "candidate",
+    alias: str | None = "candidate",
     input_example: str | None = None,
     signature: Any = None,
     prompt_limits: Sequence[int | None] | None = None,
 ) -> list[dict[str, str]]:
     """Log every agent as a ``text-generation`` model in the run (with ``input_example``, a prompt, and
     ``signature``; MLflow infers the signature by generating when it is None), register it as
-    ``<base_name>-agent-<i>``, tag the version and point ``alias`` at it (once per run: a repeated call
-    reuses the run's versions). ``prompt_limits`` (one per agent, None: unbounded): the prompt tokens the served
+    ``<base_name>-agent-<i>``, tag the version and point ``alias`` at it (None: no alias) (once per run: a repeated
+    call reuses the run's versions and tags them again). ``prompt_limits`` (one per agent, None: unbounded): the prompt tokens the served
     model keeps (:func:`left_truncating`), the rollout's bound (``comlrl.rollout.generation.prompt_token_limit``)."""
     import mlflow
 
@@ -577,26 +609,27 @@ def register_agents(
         existing = [v for v in client.search_model_versions(f"name = '{name}'") if v.run_id == identity["run_id"]]
         if existing:
             version = str(existing[0].version)
-            client.set_registered_model_alias(name, alias, version)
-            registered.append({"name": name, "version": version, "alias": alias, "uri": f"models:/{name}@{alias}"})
-            continue
-        tokenizer, model_config = left_truncating(tokenizer, prompt_limits[index] if prompt_limits else None)
-        with mlflow.start_run(run_id=identity["run_id"]):
-            info = mlflow.transformers.log_model(
-                transformers_model={"model": model, "tokenizer": tokenizer},
-                name=f"agent_{index}",
-                task="text-generation",
-                pip_requirements=MODEL_REQUIREMENTS,
-                registered_model_name=name,
-                input_example=input_example,
-                signature=signature,
-                model_config=model_config,
-            )
-        version = str(info.registered_model_version)
+        else:
+            tokenizer, model_config = left_truncating(tokenizer, prompt_limits[index] if prompt_limits else None)
+            with mlflow.start_run(run_id=identity["run_id"]):
+                info = mlflow.transformers.log_model(
+                    transformers_model={"model": model, "tokenizer": tokenizer},
+                    name=f"agent_{index}",
+                    task="text-generation",
+                    pip_requirements=MODEL_REQUIREMENTS,
+                    registered_model_name=name,
+                    input_example=input_example,
+                    signature=signature,
+                    model_config=model_config,
+                )
+            version = str(info.registered_model_version)
+        # Every call, the version found too: a registration stopped between the version and its tags is completed.
         for key, value in {**tags, "agent_index": str(index), RUN_KEY_TAG: tags.get(RUN_KEY_TAG, "")}.items():
             client.set_model_version_tag(name, version, key, value)
-        client.set_registered_model_alias(name, alias, version)
-        registered.append({"name": name, "version": version, "alias": alias, "uri": f"models:/{name}@{alias}"})
+        if alias is not None:
+            client.set_registered_model_alias(name, alias, version)
+        registered.append({"name": name, "version": version, "alias": alias,
+                           "uri": f"models:/{name}@{alias}" if alias else f"models:/{name}/{version}"})
     return registered
 
 
@@ -618,20 +651,25 @@ def promote(
     from_alias: str = "candidate",
     to_alias: str = "champion",
 ) -> list[dict[str, str]]:
-    """Point ``to_alias`` at the version ``from_alias`` names, for every registered model in ``names``.
-
-    The previous holder is kept as tag ``previous_<to_alias>`` on the registered model, so a
-    promotion can be rolled back by hand.
-    """
+    """Point ``to_alias`` at the version ``from_alias`` names, for every registered model in ``names``
+    (:func:`move_aliases`, in that order); nothing moves unless every model has a ``from_alias`` version."""
     client = mlflow_client(tracking_uri)
     versions = {}
     for name in names:  # resolve them all first: a missing alias changes nothing
         try:
-            versions[name] = client.get_model_version_by_alias(name, from_alias).version
+            versions[name] = str(client.get_model_version_by_alias(name, from_alias).version)
         except Exception as error:
             if not permanent_error(error):  # no answer is not "no alias": the caller tells them apart
                 raise
             raise ValueError(f"registered model {name!r} has no version with alias {from_alias!r}: {error}") from None
+    return move_aliases(tracking_uri, versions, to_alias)
+
+
+def move_aliases(tracking_uri: str, versions: Mapping[str, str], to_alias: str) -> list[dict[str, str]]:
+    """Point ``to_alias`` of each registered model at its version in ``versions``, one model after another in
+    the order given. The previous holder is kept as tag ``previous_<to_alias>`` on the registered model, so a
+    move can be rolled back by hand."""
+    client = mlflow_client(tracking_uri)
     moved = []
     for name, version in versions.items():
         try:
@@ -640,9 +678,9 @@ def promote(
             if not permanent_error(error):
                 raise
             previous = None
-        if previous is not None:
+        if previous is not None and str(previous) != str(version):
             client.set_registered_model_tag(name, f"previous_{to_alias}", str(previous))
-        client.set_registered_model_alias(name, to_alias, version)
+        client.set_registered_model_alias(name, to_alias, str(version))
         moved.append({"name": name, "version": str(version), "previous": str(previous) if previous else None})
     return moved
 

@@ -95,15 +95,15 @@ def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callback
 
 
 def with_registered_agents(spec: RunSpec, tracking_uri: str, alias: str) -> RunSpec:
-    """The spec with its agents replaced by the registry's ``alias`` versions, pinned
-    (``models:/NAME/VERSION``), when every agent role has one; otherwise the spec unchanged
-    (e.g. before the first promotion)."""
-    from comlrl import tracking
+    """The spec with its agents replaced by the agent versions of the registry's ``alias`` team
+    (:func:`flows.registry.team_versions`), pinned (``models:/NAME/VERSION``), when every agent role has one;
+    otherwise the spec unchanged (e.g. before the first promotion)."""
+    from flows.registry import team_versions
 
-    names = tracking.agent_model_names(spec.registered_name, spec.trainer_config.num_agents)
-    versions = tracking.aliased_versions(tracking_uri, names, alias)
+    versions = team_versions(tracking_uri, spec.registered_name, spec.trainer_config.num_agents, alias)
     if versions is None:
         return spec
+    names = list(versions)
     models = {key: value for key, value in spec.models.items() if key not in ("agent_model", "agents")}
     models["agents"] = [f"models:/{name}/{versions[name]}" for name in names]
     return spec.model_copy(update={"models": models})

@@ -4,12 +4,12 @@ Every run registers its team and agents as candidates (:mod:`flows.registry`). :
 then evaluates the current champion in the same run, on the spec's eval set, the way the run's
 own evaluation is made (``trainer.evaluate()``: same rows, same seed, same reward), and
 :func:`decide` compares the two scores on the run's eval metric (``eval/reward_mean``; PbRL runs:
-``eval/task_reward_mean``). Promotion moves ``champion`` for the team and every agent model
-together (all or none, :func:`comlrl.tracking.promote`). The decision, the metric and both
+``eval/task_reward_mean``). Promotion moves ``champion`` to the run's own versions, every agent
+model's and then the team's (all or none, :func:`comlrl.tracking.move_aliases`). The decision, the metric and both
 scores become tags of the candidate versions (``comlrl.gate.*``) and a Prefect artifact.
 
-The champion is what retraining continues from: the agent versions holding ``champion``
-(:func:`flows.build.with_registered_agents`). ``comlrl promote`` moves the alias by hand; it
+The champion is what retraining continues from: the agent versions the ``champion`` team names
+(:func:`flows.registry.team_versions`, :func:`flows.build.with_registered_agents`). ``comlrl promote`` moves the alias by hand; it
 refuses a candidate the gate found worse unless given ``--force``.
 """
 
@@ -24,7 +24,7 @@ from flows import build
 from flows.boundaries import primary_eval
 from comlrl.executables import executable
 from comlrl.tracking import mlflow_client
-from flows.registry import set_version_tags, team_model_name, version_tags
+from flows.registry import set_version_tags, team_members, team_model_name, team_versions, version_tags
 from flows.spec import RunSpec
 
 CHAMPION = "champion"
@@ -65,9 +65,8 @@ def decide(candidate_score: float | None, champion_score: float | None, has_cham
 
 
 def champion_versions(tracking_uri: str, spec: RunSpec, num_agents: int) -> dict[str, str] | None:
-    """The agent versions holding ``champion`` (None before the first promotion)."""
-    return tracking.aliased_versions(tracking_uri, tracking.agent_model_names(spec.registered_name, num_agents),
-                                     CHAMPION)
+    """The agent versions of the ``champion`` team (None before the first promotion)."""
+    return team_versions(tracking_uri, spec.registered_name, num_agents, CHAMPION)
 
 
 def evaluate_champion(spec: RunSpec, tracking_uri: str, root: str | Path, workdir: str | Path) -> dict[str, float]:
@@ -98,8 +97,9 @@ def run_gate(spec: RunSpec, evaluation: dict[str, float], candidates: dict[str, 
                 champion_label = f"{champion_label} (not comparable: {str(error)[:200]})"
         promoted, reason = decide(candidate_score, champion_score, current is not None)
         decision = GateDecision(promoted, reason, label, champion_label, metric, candidate_score, champion_score)
-        if promoted:
-            tracking.promote(tracking_uri, list(candidates), candidate_alias, CHAMPION)
+        if promoted:  # exactly the run's versions, the team last (not whatever holds the candidate alias now)
+            tracking.move_aliases(tracking_uri, {**agents, **({team: candidates[team]} if team in candidates else {})},
+                                  CHAMPION)
     set_version_tags(tracking_uri, candidates, decision.tags())
     return decision
 
@@ -124,20 +124,28 @@ def registered_base_names(tracking_uri: str, base: str) -> list[str]:
 
 def promote(tracking_uri: str, base: str, from_alias: str = "candidate", to_alias: str = CHAMPION,
             force: bool = False) -> list[dict[str, str]]:
-    """Move ``to_alias`` to the ``from_alias`` versions of ``base``'s team and agents (all or none).
+    """Move ``to_alias`` to the team version ``from_alias`` names and to the agent versions it was registered with
+    (its ``comlrl.agent_versions``; the agents' own ``from_alias`` for a team without it, or without a team), the
+    agents first and the team last: what is promoted is always a team that was registered, whatever moves the
+    agents' aliases meanwhile. Nothing moves unless every model has a version.
 
     Without ``force`` a candidate the gate kept out (its ``comlrl.gate.decision`` tag) is refused,
     and so is one the gate never judged; ``force`` moves the alias regardless."""
     names = registered_base_names(tracking_uri, base)
     if not names:
         raise ValueError(f"no registered models named {team_model_name(base)} or {base}-agent-<i> in {tracking_uri}")
+    first = tracking.aliased_versions(tracking_uri, names[:1], from_alias)
+    if first is None:
+        raise ValueError(f"registered model {names[0]!r} has no version with alias {from_alias!r}")
     if not force:
-        version = tracking.aliased_versions(tracking_uri, names[:1], from_alias)
-        if version is None:
-            raise ValueError(f"registered model {names[0]!r} has no version with alias {from_alias!r}")
-        tags = version_tags(tracking_uri, names[0], version[names[0]])
+        tags = version_tags(tracking_uri, names[0], first[names[0]])
         if tags.get("comlrl.gate.decision") != "promoted":
             why = tags.get("comlrl.gate.reason") or "the gate never judged it"
-            raise ValueError(f"{names[0]} version {version[names[0]]} ({from_alias}) did not pass the "
+            raise ValueError(f"{names[0]} version {first[names[0]]} ({from_alias}) did not pass the "
                              f"champion/challenger gate ({why}); use --force to promote it anyway")
-    return tracking.promote(tracking_uri, names, from_alias, to_alias)
+    team = team_model_name(base)
+    members = team_members(tracking_uri, team, first[team]) if team in first else None
+    if members is None:  # no team, or one registered without the tag: each model's own alias, the team last
+        return tracking.promote(tracking_uri, [*names[1:], names[0]] if team in first else names, from_alias,
+                                to_alias)
+    return tracking.move_aliases(tracking_uri, {**members, team: first[team]}, to_alias)

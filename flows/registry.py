@@ -14,7 +14,11 @@ examples (the first eval rows) are stored cut the same way (:func:`bounded_examp
 Every version carries the run's tags (``comlrl.run_id``, ``comlrl.algorithm``,
 ``comlrl.spec_hash``, ``mlflow.run_id``) and the spec's alias (``candidate``); the team version
 also ``comlrl.agent_versions`` (the agent versions of the same run). Registration is idempotent per
-MLflow run: a re-run of a finished run finds its versions instead of registering new ones.
+MLflow run: a re-run of a finished run finds its versions instead of registering new ones, and tags them
+again (a stop between a version and its tags leaves nothing missing after the resume). The alias moves once
+every version is registered and tagged, the agents' first and the team's last (:func:`point_alias`); aliases
+move model by model (MLflow has no transaction over several), so the team is the unit: read
+``NAME-team@ALIAS`` and, for one agent, the version its ``comlrl.agent_versions`` names.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from comlrl.tracking import mlflow_client
 from comlrl.team_model import TeamSettings, log_team_model, save_team
 from flows.spec import RunSpec
 
+AGENT_VERSIONS_TAG = "comlrl.agent_versions"  # on a team version: json {agent model: version} it was made of
 # A prompt for the per-agent models' input example when the eval set gives none.
 DEFAULT_EXAMPLE = "tell me about the cat"
 
@@ -95,21 +100,47 @@ def register_team(identity: dict[str, Any], trainer: Any, spec: RunSpec, tags: d
         with mlflow.start_run(run_id=identity["run_id"]):
             info = log_team_model(directory, settings, example_rows(trainer))
         version = str(mlflow.register_model(info.model_uri, name).version)
-        versions = {entry["name"]: entry["version"] for entry in agent_versions}
-        for key, value in {**tags, "comlrl.agent_versions": json.dumps(versions)}.items():
-            client.set_model_version_tag(name, version, key, value)
-    client.set_registered_model_alias(name, alias, version)
+    # Every call, the version found too: a registration stopped between the version and its tags is completed.
+    versions = {entry["name"]: entry["version"] for entry in agent_versions}
+    for key, value in {**tags, AGENT_VERSIONS_TAG: json.dumps(versions)}.items():
+        client.set_model_version_tag(name, version, key, value)
     return _entry(name, version, alias)
+
+
+def point_alias(tracking_uri: str, team: dict[str, str], agents: Sequence[dict[str, str]], alias: str) -> None:
+    """Point ``alias`` at the run's versions: the agents first, the team last. A consumer that reads the team's
+    alias and its agents from the team version's :data:`AGENT_VERSIONS_TAG` never sees a team half moved."""
+    tracking.move_aliases(tracking_uri, {**{entry["name"]: entry["version"] for entry in agents},
+                                         team["name"]: team["version"]}, alias)
+
+
+def team_versions(tracking_uri: str, base: str, num_agents: int, alias: str) -> dict[str, str] | None:
+    """``agent model -> version`` of the team that holds ``alias`` (its :data:`AGENT_VERSIONS_TAG`); for a team
+    registered without that tag, or none, the agents' own ``alias``. None when an agent has no version."""
+    team, names = team_model_name(base), tracking.agent_model_names(base, num_agents)
+    held = tracking.aliased_versions(tracking_uri, [team], alias)
+    members = team_members(tracking_uri, team, held[team]) if held is not None else None
+    if members is not None and sorted(members) == sorted(names):
+        return {name: members[name] for name in names}
+    return tracking.aliased_versions(tracking_uri, names, alias)
+
+
+def team_members(tracking_uri: str, team: str, version: str) -> dict[str, str] | None:
+    """``agent model -> version`` that team ``version`` was registered with (None for a team registered
+    without :data:`AGENT_VERSIONS_TAG`)."""
+    recorded = version_tags(tracking_uri, team, version).get(AGENT_VERSIONS_TAG)
+    return {str(name): str(number) for name, number in json.loads(recorded).items()} if recorded else None
 
 
 def register_agents(identity: dict[str, Any], trainer: Any, spec: RunSpec, tags: dict[str, str],
                     alias: str) -> list[dict[str, str]]:
     """Every agent as its own text-generation model (``NAME-agent-<i>``), with an input example; served, it keeps
     as many prompt tokens as its rollout does."""
-    return tracking.register_agents(identity, trainer.agents, trainer.tokenizers, spec.registered_name, tags, alias,
-                                    input_example=example_prompts(trainer, 1)[0],
-                                    signature=agent_signature(trainer.args.max_new_tokens),
-                                    prompt_limits=prompt_limits(trainer))
+    entries = tracking.register_agents(identity, trainer.agents, trainer.tokenizers, spec.registered_name, tags, None,
+                                       input_example=example_prompts(trainer, 1)[0],
+                                       signature=agent_signature(trainer.args.max_new_tokens),
+                                       prompt_limits=prompt_limits(trainer))
+    return [_entry(entry["name"], entry["version"], alias) for entry in entries]  # aliased with the team
 
 
 def agent_signature(max_new_tokens: int) -> Any:

@@ -16,6 +16,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from comlrl import tracking
+from comlrl.errors import CheckpointError
 from comlrl.utils import read_checkpoint_metadata
 from flows import agents, build, gate as gates, registry, spec as specs
 
@@ -37,12 +38,20 @@ def use_registered_agents(spec: specs.RunSpec, tracking_uri: str, alias: str) ->
     return build.with_registered_agents(spec, tracking_uri, alias)
 
 
-@task(cache_policy=NO_CACHE, persist_result=False, retries=2, retry_delay_seconds=5, task_run_name="open MLflow run")
+def not_refused(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry unless the task refused a checkpoint: asking again meets the same checkpoint."""
+    return not isinstance(state.data, CheckpointError)
+
+
+@task(cache_policy=NO_CACHE, persist_result=False, retries=2, retry_delay_seconds=5, retry_condition_fn=not_refused,
+      task_run_name="open MLflow run")
 def open_tracking(tracking_uri: str, experiment: str, run_id: str, checkpoint: str | None,
                   artifact_root: str | None, tags: dict[str, str]) -> dict[str, Any]:
-    """The MLflow run: the one recorded in the resume checkpoint's metadata, else found or created."""
+    """The MLflow run: the one recorded in the resume checkpoint's metadata, else found or created. A checkpoint
+    of another run (its run id or spec hash, or the tags of the MLflow run it names, differ from ``tags``) is
+    refused, a :class:`~comlrl.errors.CheckpointError`, before anything in MLflow changes."""
     identity = read_checkpoint_metadata(checkpoint).get("mlflow") if checkpoint else None
-    return tracking.open_run(tracking_uri, experiment, run_id, identity, artifact_root, tags)
+    return tracking.open_run(tracking_uri, experiment, run_id, identity, artifact_root, tags, checkpoint=checkpoint)
 
 
 @tracking_task
@@ -139,6 +148,12 @@ def register_agents(identity: dict[str, Any], trainer: Any, spec: specs.RunSpec,
 def register_team(identity: dict[str, Any], trainer: Any, spec: specs.RunSpec, tags: dict[str, str], alias: str,
                   directory: str, agent_versions: list[dict[str, str]]) -> dict[str, str]:
     return registry.register_team(identity, trainer, spec, tags, alias, directory, agent_versions)
+
+
+@task(cache_policy=NO_CACHE, persist_result=False, retries=2, retry_delay_seconds=5,
+      task_run_name="point the alias at the team")
+def point_alias(tracking_uri: str, team: dict[str, str], agents: list[dict[str, str]], alias: str) -> None:
+    registry.point_alias(tracking_uri, team, agents, alias)
 
 
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="champion/challenger gate")

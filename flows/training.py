@@ -501,6 +501,7 @@ def finish_stages(session: Session, spec: RunSpec, run: RunPaths, root: str, nex
     registered = tasks.register_agents(identity, quote(trainer), spec, tags, alias)
     next_stage()
     team = tasks.register_team(identity, quote(trainer), spec, tags, alias, str(run.directory / "team"), registered)
+    tasks.point_alias(identity["tracking_uri"], team, registered, alias)  # once all are registered and tagged
     candidates = {entry["name"]: entry["version"] for entry in [team, *registered]}
     next_stage()
     decision = tasks.gate(spec, evaluation, candidates, identity["tracking_uri"], root, str(run.workdir), alias)

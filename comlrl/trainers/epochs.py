@@ -34,6 +34,7 @@ from comlrl.data import batches, epoch_order
 from comlrl.errors import TrainingInterrupted
 from comlrl.parallel.memory import device_memory_metrics
 from comlrl.progress import Boundary, epoch_plan
+from comlrl.rollout.reward_calls import RewardWaitInterrupted
 from comlrl.training.loop import TrainingLoop, rng_restorer
 from comlrl.training.metrics import MetricWindow
 
@@ -146,6 +147,7 @@ class EpochSteps(TrainingLoop):
         return restore
 
     def take_step(self, window: MetricWindow, progress: Any = None) -> None:
+        self.finish_pending_evaluation()
         batch = self.epoch_batches(self.state.epoch)[self.state.step_in_epoch]
         rows = [self.train_dataset[int(index)] for index in batch]
         self.step_guard.begin(self.step_restorer())
@@ -229,6 +231,7 @@ class EpochSteps(TrainingLoop):
     def end_epoch(self, window: MetricWindow | None = None) -> None:
         """Apply the epoch's pending gradients and log the epoch's last ``window`` with those optimizer
         steps' metrics (without a window, those metrics alone), then move to the next epoch."""
+        self.finish_pending_evaluation()
         window = window if window is not None else MetricWindow()
         window.add(self.flush_optimizers(), self.model_optimizers)
         self.log_window(window)
@@ -247,7 +250,26 @@ class EpochSteps(TrainingLoop):
     def _maybe_evaluate(self) -> None:
         interval = self.args.eval_interval
         if self.eval_dataset is not None and interval and self.state.global_step % interval == 0:
+            self.state.pending_evaluation = self.state.global_step
+            self.finish_pending_evaluation()
+
+    def finish_pending_evaluation(self) -> None:
+        """Make the ``eval_interval`` evaluation of the step just counted if it is still to be made. It is part
+        of the step's completion: a stop or a failure inside it puts back the state from before it (RNGs,
+        reward counters) and leaves it pending, so the checkpoint then written makes the resume run it, and
+        only it, before the next step or the epoch's end."""
+        step = self.state.pending_evaluation
+        if not step:
+            return
+        self.step_guard.begin(self.step_restorer())
+        try:
             self._record_evaluation()
+        except RewardWaitInterrupted as stopped:
+            raise RewardWaitInterrupted(
+                f"{self.stop_request.signal_name} received: the evaluation at step {step} was not finished (step "
+                f"{step} itself was); the resume makes that evaluation first") from stopped
+        self.step_guard.end()
+        self.state.pending_evaluation = 0
 
     def evaluate_before_training(self) -> None:
         """A fresh run's step-0 evaluation when ``eval_before_training`` is set (recorded and logged like the others)."""

@@ -10,7 +10,9 @@ Everything a run guarantees lives here once, whoever drives it:
 
 - **Stop signals**: while a method of the run works, SIGTERM/SIGINT let the current step finish,
   then ``checkpoint-N-stepS`` is written and :attr:`TrainingRun.stopped` is set (the method returns;
-  ``train()`` raises it). A second signal interrupts at once.
+  ``train()`` raises it). A signal during a checkpoint's write stops the run right after that
+  checkpoint (after the final one too: the training is complete, but the run did not end). A
+  second signal interrupts at once.
 - **Failures**: an exception in a step is checkpointed the same way when the step had not yet
   changed any weight (the step's RNGs and counters are put back first, so the resume repeats the
   step exactly); otherwise the last checkpoint stands (:meth:`TrainingRun.abort`).
@@ -205,6 +207,9 @@ class TrainingRun:
                                 time.perf_counter() - started)
         self._boundary_started = None
         self.reports.append(report)
+        if self.request.requested:  # the signal came while the checkpoint was written: stop right after it
+            with self.signals():
+                self._stop_after_save(report.checkpoint, boundary.label)
         return report
 
     def run_boundary(self) -> BoundaryReport | None:
@@ -231,7 +236,10 @@ class TrainingRun:
             raise RuntimeError(f"finish() with {len(self.plan) - self.trainer.state.boundaries} boundaries left")
         self.trainer.on_run_end()
         with self.signals():
-            self.runner.end()
+            final = self.runner.end()
+        if self.request.requested:
+            self._stop_after_save(str(final) if final is not None else self.last_checkpoint(), self.plan[-1].label)
+            raise self.stopped
         self.runner.release()
         self.progress.close()
         dispatch(self.trainer.callbacks, "on_train_end", self.trainer)
@@ -251,6 +259,18 @@ class TrainingRun:
         self.stopped = stopped
         self.runner.release()
         self.progress.close()
+
+    def _stop_after_save(self, checkpoint: str | None, label: str) -> None:
+        """A stop request that arrived while a boundary's (or the final) checkpoint was written: honoured
+        now, before any further step, naming that checkpoint."""
+        signal_name = self.request.signal_name
+        written = f"while {checkpoint} was written" if checkpoint else f"while {label} was saved"
+        if self.trainer.state.boundaries >= len(self.plan):
+            message = (f"{signal_name} received {written}: training is complete and saved; the run stopped "
+                       "before its end (resuming from that checkpoint only ends it)")
+        else:
+            message = f"{signal_name} received {written}: stopped after {label}"
+        self._stop(TrainingInterrupted(message, checkpoint=checkpoint))
 
     def abort(self, error: BaseException) -> str | None:
         """Save what a resume needs after ``error`` ended the run outside the loop's own stops: a
@@ -278,7 +298,11 @@ class TrainingRun:
             logger.error("could not checkpoint after %s: %s", type(error).__name__, save_error)
             return None
         self.failure_checkpoint = str(path) if path is not None else None
-        if path is not None:
+        pending = getattr(self.trainer.state, "pending_evaluation", 0)
+        if path is not None and pending:
+            logger.error("%s ended the run during the evaluation at step %d (the step itself was finished); "
+                         "resume from %s, which makes that evaluation first", type(error).__name__, pending, path)
+        elif path is not None:
             logger.error("%s ended the run after step %d; resume from %s", type(error).__name__,
                          self.trainer.state.global_step, path)
         return self.failure_checkpoint
