@@ -168,6 +168,19 @@ def prefect_tags() -> dict[str, str]:
     return tags
 
 
+def durable_report(session: Session, report: Any) -> Any:
+    """``report`` of an epoch as the run's record has it, not as this process saw it: the mean of every step
+    since the previous boundary in the history (restored with the checkpoint, so a resumed epoch's steps before
+    the stop count) and the evaluations in the run's logged metrics (whichever process made them); its time
+    stays this process's."""
+    rows = [record["row"] for record in session.records if record.get("row")]
+    first_step = rows[-1]["step"] if rows else 0
+    durable = boundaries.recovered_report(report.boundary, report.checkpoint, {"global_step": report.last_step},
+                                          session.trainer.history,
+                                          tracking.logged_metrics(session.callback, "eval/"), first_step)
+    return dataclasses.replace(durable, seconds=report.seconds)
+
+
 def run_boundary(session: Session, number: int) -> dict[str, Any] | None:
     """One boundary through the training run's API: its steps (a task per ``execution.steps_per_task``),
     its end (a PbRL stage runs here) and its checkpoint; returns its record, None when the run stopped."""
@@ -194,6 +207,8 @@ def run_boundary(session: Session, number: int) -> dict[str, Any] | None:
     saved = tasks.save_boundary.with_options(task_run_name=boundaries.task_name(boundary, "checkpoint"))(
         quote(training), metrics, return_state=True)
     report, session.last_task_run = saved.result(), saved.state_details.task_run_id
+    if boundary.stage is None:  # the whole epoch's row, however many processes trained it (see durable_report)
+        report = durable_report(session, report)
     record = boundaries.record(report)
     row = record["row"]
     session.finished[number] = record
@@ -391,6 +406,18 @@ def train_flow(
         lock.release()
 
 
+def stopped_state(session: Session, stopped: Exception, message: str) -> State:
+    """The flow's end state for a run that stopped early (``message`` logged): Cancelled for a stop signal,
+    Failed for the non-finite guard; its data say where it can resume and the process's exit status."""
+    request = session.run.request
+    info = {"run_id": session.paths.run_id, "checkpoint": getattr(stopped, "checkpoint", None),
+            "reason": str(stopped), "signal": request.signal_name, "exit_status": request.exit_status}
+    get_run_logger().warning(message)
+    if isinstance(stopped, TrainingInterrupted):
+        return Cancelled(message=message, data=info)
+    return Failed(message=message, data=info)
+
+
 def train_run(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str) -> Any:
     """Every boundary left, then the end of the run (:func:`finish`); a Cancelled (stop signal) or Failed
     (non-finite guard) state when the training run stopped early."""
@@ -401,14 +428,13 @@ def train_run(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str) -> Any
         session = run_boundaries(spec, run, root, tracking_uri, progress_artifact, publisher)
         stopped = session.run.stopped
         if stopped is not None:
-            message = stop_message(session)
-            info = {"run_id": run.run_id, "checkpoint": stopped.checkpoint, "reason": str(stopped),
-                    "signal": session.run.request.signal_name, "exit_status": session.run.request.exit_status}
-            get_run_logger().warning(message)
-            if isinstance(stopped, TrainingInterrupted):
-                return Cancelled(message=message, data=info)
-            return Failed(message=message, data=info)
-        tasks.finish_training(quote(session.run))
+            return stopped_state(session, stopped, stop_message(session))
+        try:
+            tasks.finish_training(quote(session.run))
+        except TrainingInterrupted as stopped:  # a stop signal while the final checkpoint was written
+            end_tracking(session, "KILLED")
+            return stopped_state(session, stopped, f"{stopped}; finish it with: {executable('comlrl')} resume "
+                                                   f"{run.run_id} --workdir {run.workdir}")
     finally:
         progress_artifact.close()
         publisher.close()
@@ -468,12 +494,9 @@ def finish(session: Session, spec: RunSpec, run: RunPaths, root: str) -> Any:
             return result
     except TrainingInterrupted as stopped:
         end_tracking(session, "KILLED")
-        message = (f"{stopped} ({Path(stopped.checkpoint).name if stopped.checkpoint else 'no checkpoint'}); "
-                   f"finish it with: {executable('comlrl')} resume {run.run_id} --workdir {run.workdir}")
-        get_run_logger().warning(message)
-        return Cancelled(message=message, data={"run_id": run.run_id, "checkpoint": stopped.checkpoint,
-                                                "reason": str(stopped), "signal": session.run.request.signal_name,
-                                                "exit_status": session.run.request.exit_status})
+        where = Path(stopped.checkpoint).name if stopped.checkpoint else "no checkpoint"
+        return stopped_state(session, stopped, f"{stopped} ({where}); finish it with: {executable('comlrl')} resume "
+                                               f"{run.run_id} --workdir {run.workdir}")
     except BaseException as error:
         end_tracking(session, "KILLED" if isinstance(error, (KeyboardInterrupt, TerminationSignal)) else "FAILED")
         raise

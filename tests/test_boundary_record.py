@@ -94,19 +94,20 @@ def pipeline(tmp_path_factory):
     yield from prefect_pipeline(tmp_path_factory, root)
 
 
-def fail_once_in_epoch(monkeypatch, epoch: int) -> None:
-    """The policy update of ``epoch`` (0-based) raises the first time it runs."""
+def fail_once_at_step(monkeypatch, step: int) -> None:
+    """The scoring of global step ``step`` (counted from 1) raises the first time it runs: a fault outside the
+    update, so the steps before it are checkpointed (``checkpoint-N-stepS``)."""
     from comlrl.trainers.reinforce import MAGRPOTrainer
 
-    original, fired = MAGRPOTrainer.update, []
+    original, fired = MAGRPOTrainer.score, []
 
-    def update(trainer, *args, **kwargs):
-        if trainer.state.epoch == epoch and not fired:
+    def score(trainer, *args, **kwargs):
+        if trainer.state.global_step == step - 1 and not fired:
             fired.append(True)
-            raise RuntimeError("injected fault in the policy update")
+            raise RuntimeError("injected fault in the reward scoring")
         return original(trainer, *args, **kwargs)
 
-    monkeypatch.setattr(MAGRPOTrainer, "update", update)
+    monkeypatch.setattr(MAGRPOTrainer, "score", score)
 
 
 def read_lines(path: Path) -> list[dict]:
@@ -115,13 +116,14 @@ def read_lines(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def resumed(pipeline):
-    """A flow run that fails in epoch 2 (``checkpoint-1`` is the newest), its epoch-1 row deleted, and a re-run
-    of the run id, whose reward-curve data is kept (the plotting function's arguments)."""
+    """A flow run that fails in the middle of epoch 2 (its second step: ``checkpoint-1`` is the newest boundary's,
+    ``checkpoint-1-step3`` the failure's), its epoch-1 row deleted, and a re-run of the run id, whose reward-curve
+    data is kept (the plotting function's arguments)."""
     from comlrl import tracking
     from flows.training import train_flow
 
     monkeypatch = pytest.MonkeyPatch()
-    fail_once_in_epoch(monkeypatch, 1)
+    fail_once_at_step(monkeypatch, STEPS_PER_EPOCH + 2)
     arguments = dict(spec_path=str(pipeline["root"] / "spec.yaml"), run_id="record-run",
                      workdir=str(pipeline["workdir"]), root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"])
     failed = train_flow(**arguments, return_state=True)
@@ -160,6 +162,28 @@ def test_a_row_lost_after_its_checkpoint_is_recovered_on_resume(resumed):
     assert result["boundaries"][0] == recovered["row"]
     saved = json.loads((Path(result["checkpoint"]).parent.parent / "result.json").read_text())
     assert [row["step"] for row in saved["boundaries"]] == [STEPS_PER_EPOCH * epoch for epoch in (1, 2, 3)]
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_a_row_of_an_epoch_resumed_mid_way_covers_the_whole_epoch(resumed, pipeline):
+    """Issue 42 item 4: epoch 2's first step was trained by the failed process, its second by the resume; the row
+    is the mean over both, as MLflow holds them, and its evaluation the one at the epoch's end."""
+    from mlflow.tracking import MlflowClient
+
+    client, run_id = MlflowClient(pipeline["tracking_uri"]), resumed["result"]["mlflow_run_id"]
+
+    def latest(key: str) -> dict[int, float]:  # the value of each step: its latest point
+        points = sorted(client.get_metric_history(run_id, key), key=lambda metric: (metric.step, metric.timestamp))
+        return {metric.step: metric.value for metric in points}
+
+    checkpoints = Path(resumed["result"]["checkpoint"]).parent
+    assert (checkpoints / f"checkpoint-1-step{STEPS_PER_EPOCH + 1}").is_dir()  # the failure's, mid-epoch
+    rewards = latest("reward_mean")
+    epoch_2 = [rewards[step] for step in range(STEPS_PER_EPOCH + 1, 2 * STEPS_PER_EPOCH + 1)]
+    row = {r["number"]: r for r in resumed["lines"]}[2]["row"]
+    assert row["reward"] == round(sum(epoch_2) / len(epoch_2), 4) and row["step"] == 2 * STEPS_PER_EPOCH
+    assert row["eval_reward"] == round(latest("eval/reward_mean")[2 * STEPS_PER_EPOCH], 4)
 
 
 @pytest.mark.slow
