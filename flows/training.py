@@ -183,7 +183,14 @@ def durable_report(session: Session, report: Any) -> Any:
 
 def run_boundary(session: Session, number: int) -> dict[str, Any] | None:
     """One boundary through the training run's API: its steps (a task per ``execution.steps_per_task``),
-    its end (a PbRL stage runs here) and its checkpoint; returns its record, None when the run stopped."""
+    its end (a PbRL stage runs here) and its checkpoint; returns its record, None when the run stopped. A stop
+    signal between its tasks (where Prefect's own handler would crash the flow run) sets the run's stop request:
+    the next task stops before any further step."""
+    with session.run.signals():
+        return boundary_tasks(session, number)
+
+
+def boundary_tasks(session: Session, number: int) -> dict[str, Any] | None:
     training, boundary = session.run, session.run.plan[number - 1]
     session.started.add(number)
     steps = training.steps_left()
@@ -350,7 +357,8 @@ def run_boundaries(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str,
     LIVE[run.run_id] = session
     try:
         # One settings context for all boundary subflows: no heartbeat threads (see the module docstring).
-        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        # A stop signal between two boundaries sets the stop request (not Prefect's crash): the next one stops.
+        with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}), session.run.signals():
             while (boundary := session.run.next_boundary) is not None:
                 record = boundary_in_subflow(session, boundary)
                 if record is None:

@@ -170,6 +170,9 @@ class TrainingRun:
         with self._working():
             if self.next_boundary is None:
                 return 0
+            if self.request.requested:  # the signal came between two calls (an orchestrator's tasks): no more steps
+                raise TrainingInterrupted(f"{self.request.signal_name} received: stopped after step "
+                                          f"{self.trainer.state.global_step}")
             self._begin_boundary()
             total = self.trainer.steps_left() if count is None else min(count, self.trainer.steps_left())
             for _ in range(total):
