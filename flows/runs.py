@@ -63,17 +63,19 @@ def configure_embedded_default(workdir: str | Path) -> dict[str, str]:
         # The ephemeral server has no CSRF protection; without this the client asks it for a token
         # (a refused extra request) for every new API client, one per boundary subflow.
         defaults["PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"] = "false"
-        # The embedded server's database where Prefect puts it by default (PREFECT_HOME/prefect.db), named so that
-        # any workdir name survives: Prefect pastes PREFECT_HOME into a URI, where a "?" would end the path.
-        defaults["PREFECT_API_DATABASE_CONNECTION_URL"] = sqlite_uri(workdir / "prefect" / "prefect.db",
-                                                                     "sqlite+aiosqlite")
-        (workdir / "prefect").mkdir(parents=True, exist_ok=True)
+        # Prefect pastes PREFECT_HOME into its database URI, where a "?" or "%" in the workdir's name would name
+        # another file: for such a name, the same database (PREFECT_HOME/prefect.db) by a URI that survives it.
+        database = workdir / "prefect" / "prefect.db"
+        if (uri := sqlite_uri(database, "sqlite+aiosqlite")) != f"sqlite+aiosqlite:///{database}":
+            defaults["PREFECT_API_DATABASE_CONNECTION_URL"] = uri
     applied = {}
     for key, value in defaults.items():
         if key not in os.environ:
             os.environ[key] = value
             applied[key] = value
     os.environ.setdefault("MLFLOW_TRACKING_URI", default_tracking_uri(workdir))  # creates the embedded store
+    if "PREFECT_API_DATABASE_CONNECTION_URL" in applied:  # Prefect would not make the folder its URI names
+        (workdir / "prefect").mkdir(parents=True, exist_ok=True)
     return applied
 
 
