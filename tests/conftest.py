@@ -63,6 +63,19 @@ def reward_func():
     return joint_letter_reward
 
 
+def letters_pipeline(tmp_path_factory, spec: dict, num_train: int):
+    """:func:`prefect_pipeline` around a project with the letters data (``num_train`` rows, 2 eval rows) and
+    ``spec`` as its ``spec.yaml``."""
+    import yaml
+
+    from comlrl.tasks.letters import write_dataset
+
+    root = tmp_path_factory.mktemp("project")
+    write_dataset(root / "data" / "letters", num_train=num_train, num_eval=2)
+    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
+    yield from prefect_pipeline(tmp_path_factory, root)
+
+
 def prefect_pipeline(tmp_path_factory, root):
     """Prefect's test harness (a temporary API database, result storage in a temp dir) around a module's
     flows; yields the workdir, the project root and an MLflow SQLite store, then puts the environment back."""

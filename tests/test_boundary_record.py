@@ -14,13 +14,11 @@ import os
 from pathlib import Path
 
 import pytest
-import yaml
 
-from comlrl.tasks.letters import write_dataset
 from flows import boundaries
 from flows.runs import RunPaths, append_boundary_record, read_boundary_records
 from letters_spec import letters_spec
-from conftest import prefect_pipeline
+from conftest import letters_pipeline
 
 STEPS_PER_EPOCH = 2  # 4 rows, batch 2
 SPEC = letters_spec("recordtest", num_generations=2, max_new_tokens=6, temperature=1.0, agent_learning_rate=0.003,
@@ -88,10 +86,7 @@ def test_a_recovered_report_has_the_boundarys_own_steps_evaluations_and_stage_re
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     """Prefect's test harness (temporary API database), a project with the letters data and the spec."""
-    root = tmp_path_factory.mktemp("project")
-    write_dataset(root / "data" / "letters", num_train=2 * STEPS_PER_EPOCH, num_eval=2)
-    (root / "spec.yaml").write_text(yaml.safe_dump(SPEC))
-    yield from prefect_pipeline(tmp_path_factory, root)
+    yield from letters_pipeline(tmp_path_factory, SPEC, num_train=2 * STEPS_PER_EPOCH)
 
 
 def fail_once_at_step(monkeypatch, step: int) -> None:

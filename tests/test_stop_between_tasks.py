@@ -10,10 +10,8 @@ import os
 import signal
 
 import pytest
-import yaml
 
-from comlrl.tasks.letters import write_dataset
-from conftest import prefect_pipeline
+from conftest import letters_pipeline
 from letters_spec import letters_spec
 
 STEPS_PER_EPOCH = 2
@@ -23,10 +21,7 @@ SPEC = letters_spec("betweentest", num_generations=2, max_new_tokens=4, num_trai
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
-    root = tmp_path_factory.mktemp("project")
-    write_dataset(root / "data" / "letters", num_train=2 * STEPS_PER_EPOCH, num_eval=2)
-    (root / "spec.yaml").write_text(yaml.safe_dump(SPEC))
-    yield from prefect_pipeline(tmp_path_factory, root)
+    yield from letters_pipeline(tmp_path_factory, SPEC, num_train=2 * STEPS_PER_EPOCH)
 
 
 @pytest.mark.e2e  # a flow run in process, ~40 s on a loaded 2-core machine
