@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     from flows.training import training_flow
 
     # For messages only: with --init-from the flow derives the default run id from the pinned spec.
-    run_id = args.run_id or ("RUN_ID" if args.init_from else default_run_id(spec))
+    run_id = args.run_id or (None if args.init_from else default_run_id(spec))
     log = Path(args.workdir).resolve() / "logs" / f"{args.run_id or (spec.name if args.init_from else run_id)}.log"
     if not args.verbose:
         tracebacks_to(log)
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                                     return_state=True)
     except KeyboardInterrupt:  # a second stop signal: the step in progress is lost, earlier checkpoints are not
         print(f"\ncomlrl: interrupted twice; continue from the newest checkpoint with:  "
-              f"{executable('comlrl')} resume {run_id} --workdir {args.workdir}", file=sys.stderr)
+              f"{executable('comlrl')} resume {run_id or 'RUN_ID'} --workdir {args.workdir}", file=sys.stderr)
         return 130
     except Exception as error:
         exit_if_unreachable(run_id, args.workdir, error)  # ends the process (69) when Prefect is down
@@ -139,27 +139,48 @@ def run(args: argparse.Namespace) -> int:
     return report(state, run_id, args.workdir, None if args.verbose else log)
 
 
-def failure_line(run_id: str, workdir: str, error: BaseException | str, log: Path | None) -> str:
+def first_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def summary(error: BaseException) -> str:
+    """``Type: the first line of its message``, and the exception at the bottom of its chain (``raise … from``,
+    or raised while handling it) when that one says something else: a full disk reported by the database
+    under MLflow's wrapper reads ``MlflowException: … (first: OperationalError: database or disk is full)``.
+    One line, whatever the messages hold (SQL, parameters, newlines)."""
+    text = f"{type(error).__name__}: {first_line(error)}"
+    seen, bottom = {id(error)}, error
+    while (below := bottom.__cause__ or bottom.__context__) is not None and id(below) not in seen:
+        seen.add(id(below))
+        bottom = below
+    if bottom is not error and first_line(bottom) not in text:
+        text += f" (first: {type(bottom).__name__}: {first_line(bottom)})"
+    return text
+
+
+def failure_line(run_id: str | None, workdir: str, error: BaseException | str, log: Path | None) -> str:
     """What failed, where its traceback is, and what to do: ``comlrl resume`` only when the run has a checkpoint
     to continue from and the error is not one a resume meets again (the run refused, a checkpoint refused)."""
     from comlrl.errors import CheckpointError
     from flows.runs import RunPaths, RunRefused
     from flows.training import latest_checkpoint
 
-    cause = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error
+    name = run_id or "RUN_ID"  # --init-from without --run-id: the flow derived it; the user reads it there
+    cause = summary(error) if isinstance(error, BaseException) else first_line(error)
     where = f" (traceback: {log})" if log is not None else ""
     if isinstance(error, (RunRefused, CheckpointError)):
-        return f"run {run_id} was refused: {error}{where}"
-    checkpoint = latest_checkpoint(RunPaths(run_id, Path(workdir).resolve())) if run_id != "RUN_ID" else None
+        return f"run {name} was refused: {error}{where}"
+    checkpoint = latest_checkpoint(RunPaths(run_id, Path(workdir).resolve())) if run_id is not None else None
     if checkpoint is None:
         advice = "nothing was checkpointed; after fixing the cause, run the same command again"
     else:
         advice = (f"completed work is in {Path(checkpoint).name}; after fixing the cause, continue with:  "
-                  f"{executable('comlrl')} resume {run_id} --workdir {workdir}")
-    return f"run {run_id} failed: {cause}{where}; {advice}"
+                  f"{executable('comlrl')} resume {name} --workdir {workdir}")
+    return f"run {name} failed: {cause}{where}; {advice}"
 
 
-def report(state, run_id: str, workdir: str, log: Path | None = None) -> int:
+def report(state, run_id: str | None, workdir: str, log: Path | None = None) -> int:
     """Print how the flow run ended (one line unless it completed) and return the exit status: 2 for a run this
     command cannot train (:class:`flows.runs.RunRefused`), 1 for any other failure."""
     from comlrl.tracking import TrackingUnavailable
@@ -172,7 +193,7 @@ def report(state, run_id: str, workdir: str, log: Path | None = None) -> int:
     outcome = state.result(raise_on_failure=False)
     if isinstance(outcome, TrackingUnavailable):
         print(f"\ncomlrl: {outcome}\nThen register the agents with:  "
-              f"{executable('comlrl')} resume {run_id} --workdir {workdir}", file=sys.stderr)
+              f"{executable('comlrl')} resume {run_id or 'RUN_ID'} --workdir {workdir}", file=sys.stderr)
         return EXIT_TRACKING_UNREACHABLE
     if isinstance(outcome, dict) and "exit_status" in outcome:  # a stop: a signal, or the non-finite guard
         print(f"\ncomlrl: {state.message}", file=sys.stderr)

@@ -169,19 +169,30 @@ class WithoutTraceback(logging.Formatter):
 
 
 def tracebacks_to(log: Path) -> logging.Handler:
-    """Every record the root logger's handlers see, tracebacks included, also goes to ``log`` (appended); the
-    console handlers (the root's stream handlers, Prefect's among them) stop printing tracebacks. Call after
-    Prefect has configured logging (it does on import). Returns the file's handler."""
+    """Every record the console loggers see, tracebacks included, also goes to ``log`` (appended); their console
+    handlers stop printing tracebacks. The console loggers are the root logger (Prefect's handlers) and each
+    logger with handlers of its own that does not propagate (MLflow's ``mlflow``, configured here by importing
+    it, so that its database errors too leave their tracebacks in the file). Call after Prefect has configured
+    logging (it does on import). Returns the file's handler."""
+    import mlflow  # noqa: F401  (configures its loggers: its own console handler, not propagating to the root)
+
     log.parent.mkdir(parents=True, exist_ok=True)
-    root = logging.getLogger()
-    for handler in root.handlers:
-        console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
-        if console and not isinstance(handler.formatter, WithoutTraceback):
-            handler.setFormatter(WithoutTraceback(handler.formatter))
     keeper = logging.FileHandler(log, encoding="utf-8")
     keeper.setFormatter(logging.Formatter(LOG_FORMAT))
-    root.addHandler(keeper)
+    for logger in console_loggers():
+        for handler in logger.handlers:
+            console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+            if console and not isinstance(handler.formatter, WithoutTraceback):
+                handler.setFormatter(WithoutTraceback(handler.formatter))
+        logger.addHandler(keeper)
     return keeper
+
+
+def console_loggers() -> list[logging.Logger]:
+    """The root logger and every configured logger whose records stop at its own handlers."""
+    own = [logger for logger in logging.Logger.manager.loggerDict.values()
+           if isinstance(logger, logging.Logger) and logger.handlers and not logger.propagate]
+    return [logging.getLogger(), *own]
 
 
 def install(verbose: bool) -> ProgressConsole | None:

@@ -254,7 +254,7 @@ def _drain_prefect_services(timeout: float) -> int:
         return -1
 
 
-def exit_if_unreachable(run_id: str, workdir: str, error: BaseException | None = None,
+def exit_if_unreachable(run_id: str | None, workdir: str, error: BaseException | None = None,
                         drain_timeout: float = DRAIN_TIMEOUT) -> None:
     """Return when no Prefect server is configured or it answers; otherwise end the process with
     :data:`EXIT_ORCHESTRATOR_UNREACHABLE` after at most :func:`request_timeout` (the health check) +
@@ -271,8 +271,8 @@ def exit_if_unreachable(run_id: str, workdir: str, error: BaseException | None =
     dropped = "its queued events and logs" if left < 0 else f"{left} queued Prefect events and log records"
     why = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}" if error else outage()
     cause = f" ({why[:300]})" if why else ""
-    run = Path(workdir) / "runs" / run_id
-    if (run / "spec.yaml").is_file():
+    run = Path(workdir) / "runs" / (run_id or "")  # None: --init-from derived it; not known here
+    if run_id and (run / "spec.yaml").is_file():
         then = (f"Training state is safe: every completed boundary's checkpoint is under {run / 'checkpoints'}. "
                 f"Restart the server, then finish the run from its last checkpoint with:  "
                 f"{executable('comlrl')} resume {run_id} --workdir {workdir}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -226,3 +227,66 @@ def test_the_advice_offers_resume_only_with_a_checkpoint_and_never_for_a_refused
     for refusal in (RunRefused("started from another spec"), CheckpointError(tmp_path, None, "is foreign")):
         line = cli.failure_line("r", str(tmp_path), refusal, None)
         assert line == f"run r was refused: {refusal}", line  # no advice: a resume meets the same refusal
+
+
+def test_a_failure_is_summed_up_in_one_line_naming_the_first_error_of_its_chain():
+    import sqlite3
+
+    def wrapped() -> None:
+        try:
+            raise sqlite3.OperationalError("database or disk is full")
+        except sqlite3.OperationalError:
+            raise RuntimeError("(sqlite3.OperationalError) database or disk is full\n[SQL: INSERT …]\n(Background…)")
+
+    with pytest.raises(RuntimeError) as raised:
+        wrapped()
+    # The wrapper already says it: its first line only, nothing added.
+    assert cli.summary(raised.value) == "RuntimeError: (sqlite3.OperationalError) database or disk is full"
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as full:
+            raise KeyError("the registry") from full
+    except KeyError as secondary:
+        line = cli.summary(secondary)
+    assert line == "KeyError: 'the registry' (first: OSError: [Errno 28] No space left on device)"
+    assert "\n" not in cli.failure_line("r", "/nowhere", "a message\nover two lines", None)
+
+
+@pytest.mark.e2e  # a real comlrl run on a full store (~60 s on a loaded 2-core machine) and its resume (~45 s)
+def test_a_store_disk_full_later_ends_in_one_line_naming_it_and_a_resume_after_freeing_space_finishes(tmp_path):
+    """The MLflow store's folder is a 1.4 MB tmpfs (bubblewrap's ``--size``, the sandbox's binary): the store
+    (~0.95 MB) and the run's metrics fit, the registered models (0.3 MB each) do not. Training completes; the
+    registration meets the full disk: exit 1, one line naming the database's "disk is full", every traceback
+    (MLflow's own logger's too) in the log file, the MLflow run FAILED. The store, copied to a disk with room
+    (the space freed), then lets ``comlrl resume`` register everything and end the run FINISHED."""
+    from comlrl.sandbox.isolation import bwrap_binary
+
+    spec, root = project(tmp_path, mode="ok")
+    workdir, cwd = tmp_path / "work", tmp_path / "cwd"
+    (workdir / "mlflow").mkdir(parents=True)
+    cwd.mkdir()
+    saved = tmp_path / "saved"
+    script = (f'"$0" run "$1" --root "$2" --workdir "$3" --run-id {RUN_ID}; code=$?; '
+              f'cp -a "$3/mlflow" "$4"; exit $code')
+    full = subprocess.run([bwrap_binary(), "--dev-bind", "/", "/", "--size", str(1_400_000), "--tmpfs",
+                           str(workdir / "mlflow"), "--", "sh", "-c", script, COMLRL, str(spec), str(root),
+                           str(workdir), str(saved)],
+                          env=environment(), cwd=cwd, capture_output=True, text=True, timeout=400)
+    assert full.returncode == 1, full.stderr[-4000:]
+    line = closing_line(full.stderr)
+    assert line.startswith(f"comlrl: run {RUN_ID} failed: MlflowException: ") and "database or disk is full" in line
+    assert f"resume {RUN_ID} --workdir {workdir}" in line, line  # training completed: its checkpoint is there
+    assert "database or disk is full" in traceback_file(line, workdir)
+    assert "sqlalchemy_store.py" in (workdir / "logs" / f"{RUN_ID}.log").read_text()  # MLflow's logger's traceback
+    assert not list((workdir / "mlflow").iterdir())  # the tmpfs is gone with the process: its copy is the store
+    shutil.rmtree(workdir / "mlflow")
+    shutil.copytree(saved, workdir / "mlflow", symlinks=True)
+    assert statuses(workdir) == ["FAILED"]
+
+    code, _, stderr = finished(start(["resume", RUN_ID, "--workdir", str(workdir)], cwd))
+    assert code == 0, stderr[-4000:]
+    assert statuses(workdir) == ["FINISHED"]
+    with store(workdir) as db:
+        versions = sorted(db.execute("SELECT name, version FROM model_versions"))
+    assert versions == [("failures-agent-0", 1), ("failures-agent-1", 1), ("failures-team", 1)]  # agent-0 v1 reused
