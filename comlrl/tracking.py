@@ -15,7 +15,9 @@ MLflow is optional (the ``pipeline`` extra); it is imported only when one of the
   metric points spooled before the checkpoint was taken are the history of the weights it resumes
   and are not logged again, while a point an earlier attempt logged after it (or before a first
   checkpoint that never came) is **superseded**: the new attempt logs its own value at the same
-  step, later (MLflow's metric history is append-only and keeps both). The value of a (key, step)
+  step, later (MLflow's metric history is append-only and keeps both), unless it is the same value
+  (a resume is bit-exact where the reward is deterministic): then the earlier point stays the only
+  one, so a run stopped anywhere logs each point once. The value of a (key, step)
   is its latest point: what :func:`logged_metrics`, :func:`metric_history` and MLflow's own
   latest-metric summary read. At the end
   (``on_train_end``, :meth:`MLflowCallback.close`, or interpreter exit) the process waits at
@@ -380,6 +382,8 @@ class MLflowCallback(TrainerCallback):
         self.kept_steps: dict[str, int] = {}  # key -> the last step of the resumed history (not logged again)
         self.skipped_values = 0
         self.superseded_values = 0  # points of an earlier attempt that this run's values replace
+        self.earlier_values: dict[tuple[str, int], float] = {}  # (key, step) -> that attempt's latest value
+        self.repeated_values = 0  # this run's points equal to an earlier attempt's: not logged again
         self._timestamp_floor = 0  # a superseding point is later than every point it may supersede
         self.closed = False
         _OPEN[identity["run_id"]] = self
@@ -395,6 +399,9 @@ class MLflowCallback(TrainerCallback):
             key = name.replace("@", "_")
             if key in self.kept_steps and step <= self.kept_steps[key]:
                 self.skipped_values += 1
+                continue
+            if same_value(self.earlier_values.get((key, int(step))), float(value)):
+                self.repeated_values += 1  # an earlier attempt logged this very point: once is the record
                 continue
             entries.append([key, float(value), now_ms, int(step)])
         if skipped_before == 0 < self.skipped_values:
@@ -442,18 +449,20 @@ class MLflowCallback(TrainerCallback):
         resumed, self._resumed_at = self._resumed_at, None  # this start's, not the next one's
         cut = resumed if resumed is not None else self.spool.header_end
         self.kept_steps, self.superseded_values, superseded_steps, latest = {}, 0, set(), 0
-        for end, (key, _, timestamp, step) in self.spool.metric_points():
+        self.earlier_values = {}
+        for end, (key, value, timestamp, step) in self.spool.metric_points():
             latest = max(latest, int(timestamp))
             if end <= cut:
                 self.kept_steps[key] = max(int(step), self.kept_steps.get(key, int(step)))
             else:
                 self.superseded_values += 1
                 superseded_steps.add(int(step))
+                self.earlier_values[(key, int(step))] = float(value)
         self._timestamp_floor = latest + 1
         if superseded_steps:
             logger.warning("MLflow run %s: %d metric values that an earlier attempt logged after %s (steps %d-%d) give "
-                           "way to this run's values where it logs the same steps; MLflow keeps both points, the "
-                           "later one is the value", self.identity["run_id"], self.superseded_values,
+                           "way to this run's values where it logs the same steps and another value (MLflow keeps "
+                           "both points, the later one is the value); the same value is not logged twice", self.identity["run_id"], self.superseded_values,
                            "the checkpoint restored" if resumed is not None else "the run's start",
                            min(superseded_steps), max(superseded_steps))
 
@@ -508,6 +517,11 @@ def close_all(timeout: float | None = None, warn: bool = True) -> bool:
 
 
 atexit.register(close_all)
+
+
+def same_value(earlier: float | None, value: float) -> bool:
+    """Whether ``value`` repeats a point already logged (NaN repeats NaN)."""
+    return earlier is not None and (earlier == value or (earlier != earlier and value != value))
 
 
 def logged_metrics(callback: MLflowCallback, prefix: str = "") -> dict[str, list[tuple[int, float]]]:

@@ -16,7 +16,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from flows.environment import configure, where_to_look
@@ -97,7 +99,39 @@ def _configured(workdir: str, orchestrate: bool = True) -> bool:
     return True
 
 
+class StoppedOutsideTraining(KeyboardInterrupt):
+    """A SIGTERM or SIGINT while ``comlrl run``/``resume`` starts (spec, stores, servers) or ends, outside the
+    handlers with which training and the end of a run finish what is under way: the command stops at once and
+    says so (exit 128 + the signal's number), as it does for a stop inside training."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(signal.Signals(number).name)
+        self.number = number
+
+
+def _stop_now(number: int, frame: object) -> None:
+    raise StoppedOutsideTraining(number)
+
+
 def run(args: argparse.Namespace) -> int:
+    """``comlrl run`` (and ``resume``): a stop signal before training or after it ends the command with one
+    line, the run's state as a stop inside training leaves it (see :class:`StoppedOutsideTraining`)."""
+    main = threading.current_thread() is threading.main_thread()  # only there can handlers be installed
+    previous = {number: signal.signal(number, _stop_now) for number in (signal.SIGTERM, signal.SIGINT) if main}
+    try:
+        return _run(args)
+    except StoppedOutsideTraining as stop:
+        for number in previous:  # a second signal while this is written ends the process as the signal does
+            signal.signal(number, signal.SIG_DFL)
+        run_id = getattr(args, "resolved_run_id", None) or args.run_id
+        print(f"\ncomlrl: {stop} received outside training: stopped; {advice(run_id, args.workdir)}", file=sys.stderr)
+        return 128 + stop.number
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     root = str(Path(args.root).resolve())
     if _bad_run_id(args.run_id):
         return 2
@@ -116,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
 
     # For messages only: with --init-from the flow derives the default run id from the pinned spec.
     run_id = args.run_id or (None if args.init_from else default_run_id(spec))
+    args.resolved_run_id = run_id
     log = Path(args.workdir).resolve() / "logs" / f"{args.run_id or (spec.name if args.init_from else run_id)}.log"
     if not args.verbose:
         tracebacks_to(log)
@@ -124,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
         state = training_flow(spec)(spec_path=str(Path(args.spec).resolve()), run_id=args.run_id,
                                     workdir=args.workdir, root=root, init_from_alias=args.init_from,
                                     return_state=True)
+    except StoppedOutsideTraining:
+        raise
     except KeyboardInterrupt:  # a second stop signal: the step in progress is lost, earlier checkpoints are not
         print(f"\ncomlrl: interrupted twice; continue from the newest checkpoint with:  "
               f"{executable('comlrl')} resume {run_id or 'RUN_ID'} --workdir {args.workdir}", file=sys.stderr)
@@ -163,21 +200,26 @@ def failure_line(run_id: str | None, workdir: str, error: BaseException | str, l
     """What failed, where its traceback is, and what to do: ``comlrl resume`` only when the run has a checkpoint
     to continue from and the error is not one a resume meets again (the run refused, a checkpoint refused)."""
     from comlrl.errors import CheckpointError
-    from flows.runs import RunPaths, RunRefused
-    from flows.training import latest_checkpoint
+    from flows.runs import RunRefused
 
     name = run_id or "RUN_ID"  # --init-from without --run-id: the flow derived it; the user reads it there
     cause = summary(error) if isinstance(error, BaseException) else first_line(error)
     where = f" (traceback: {log})" if log is not None else ""
     if isinstance(error, (RunRefused, CheckpointError)):
         return f"run {name} was refused: {error}{where}"
+    return f"run {name} failed: {cause}{where}; {advice(run_id, workdir, 'after fixing the cause, ')}"
+
+
+def advice(run_id: str | None, workdir: str, first: str = "") -> str:
+    """What to do next: ``comlrl resume`` from the run's newest complete checkpoint, or the same command again."""
+    from flows.runs import RunPaths
+    from flows.training import latest_checkpoint
+
     checkpoint = latest_checkpoint(RunPaths(run_id, Path(workdir).resolve())) if run_id is not None else None
     if checkpoint is None:
-        advice = "nothing was checkpointed; after fixing the cause, run the same command again"
-    else:
-        advice = (f"completed work is in {Path(checkpoint).name}; after fixing the cause, continue with:  "
-                  f"{executable('comlrl')} resume {name} --workdir {workdir}")
-    return f"run {name} failed: {cause}{where}; {advice}"
+        return f"nothing was checkpointed; {first}run the same command again"
+    return (f"completed work is in {Path(checkpoint).name}; {first}continue with:  "
+            f"{executable('comlrl')} resume {run_id or 'RUN_ID'} --workdir {workdir}")
 
 
 def report(state, run_id: str | None, workdir: str, log: Path | None = None) -> int:

@@ -168,7 +168,6 @@ class MARLHFTrainer(PreferenceRounds):
         if self.args.policy_guard and self.guard is None:
             self.guard = PolicySnapshot.take(policy, self.guard_scores()["task_reward"])
         policy.tag_steps(iteration=self.state.iteration, **self.reward_model_quality())
-        start = len(policy.history)
         # The window as the policy's progress leaves it: a stage resumed mid-epoch logs as one never stopped.
         policy.train_steps(until_epoch=(self.state.iteration + 1) * self.args.num_train_epochs,
                            window=policy.logging_window())
@@ -181,7 +180,8 @@ class MARLHFTrainer(PreferenceRounds):
         metrics = {
             "policy/learned_reward_mean": means.get("reward_mean", float("nan")),
             "policy/task_reward_mean": means.get("monitor/task_reward", float("nan")),
-            "policy/steps": float(len(policy.history) - start),
+            # This iteration's steps, those before a mid-stage resume included.
+            "policy/steps": float(sum(step.get("iteration") == self.state.iteration for step in policy.history)),
         }
         if self.guard is not None:
             metrics.update(self.apply_guard())

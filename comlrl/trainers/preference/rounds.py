@@ -132,7 +132,13 @@ class PreferenceRounds(TrainingLoop):
         raise RuntimeError(f"{type(self).__name__}'s boundaries are stages without separate steps; use close_boundary()")
 
     def close_boundary(self, window: Any = None) -> dict[str, float]:
-        return self.run_next_stage()  # a policy stage logs through its own window
+        """The next stage (a policy stage logs through its own window). However it ends (done, a stop request
+        between two policy steps, an error) the run's step counter is the policy's: a stop inside a policy
+        stage is checkpointed after its last finished step (``checkpoint-N-stepS``), not at the stage's start."""
+        try:
+            return self.run_next_stage()
+        finally:
+            self.state.global_step = self.policy_trainer.state.global_step
 
     def recover_after_failure(self) -> bool:
         """A failed stage is repeated from its start (see :data:`REPEATABLE_STAGES`); inside the policy
