@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         for number in previous:  # a second signal while this is written ends the process as the signal does
             signal.signal(number, signal.SIG_DFL)
         run_id = getattr(args, "resolved_run_id", None) or args.run_id
-        print(f"\ncomlrl: {stop} received outside training: stopped; {advice(run_id, args.workdir)}", file=sys.stderr)
+        print(f"\ncomlrl: {stop} received: stopped; {advice(run_id, args.workdir)}", file=sys.stderr)
         return 128 + stop.number
     finally:
         for number, handler in previous.items():

@@ -200,6 +200,11 @@ def test_resume_mid_dpo_stage_equals_uninterrupted(tiny_llama, tmp_path):
     assert [s["dpo/loss"] for s in straight.state.history] == [s["dpo/loss"] for s in resumed.state.history]
     assert [r["replay/pairs"] for r in resumed.state.stage_records if r["stage"] == "prepare_pairs"] == \
         [r["replay/pairs"] for r in straight.state.stage_records if r["stage"] == "prepare_pairs"]
+    # The stage's record covers its steps before the stop too (issue 42: the record equals an uninterrupted run's).
+    policy = [(r["policy/steps"], r["policy/dpo_loss_mean"]) for r in resumed.state.stage_records
+              if r["stage"] == "learn_policy"]
+    assert policy == [(r["policy/steps"], r["policy/dpo_loss_mean"]) for r in straight.state.stage_records
+                      if r["stage"] == "learn_policy"] and len(policy) == 2
 
 
 # ----- the API comparator against a real local endpoint ------------------------------------------

@@ -120,7 +120,6 @@ class MADPOIterTrainer(RewardHistogramNames, PreferenceRounds):
                                       self.args.seed, self.state.iteration)
         per_epoch = -(-len(pairs) // self.args.dpo_batch_size)
         policy.tag_steps(iteration=self.state.iteration)
-        start = len(self.state.history)
         while self.state.stage_step < len(batches):
             step = self.state.stage_step
             mine = self.data_parallel.shard(batches[step])
@@ -135,7 +134,8 @@ class MADPOIterTrainer(RewardHistogramNames, PreferenceRounds):
             self.state.global_step = policy.state.global_step
         policy.log_window(self.window)  # the stage's last window, partial or not, ends with it
         self.reference = None
-        steps = self.state.history[start:]
+        # This iteration's steps, those before a mid-stage resume included.
+        steps = [row for row in self.state.history if row.get("iteration") == self.state.iteration]
         losses = [row["dpo/loss"] for row in steps if isinstance(row.get("dpo/loss"), float) and row["dpo/loss"] == row["dpo/loss"]]
         return {"policy/steps": float(len(steps)),
                 "policy/dpo_loss_mean": sum(losses) / len(losses) if losses else float("nan")}
