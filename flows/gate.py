@@ -49,6 +49,11 @@ class GateDecision:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def champion_team(self) -> str | None:
+        """The champion judged against, without a "(not comparable: ...)" note."""
+        return self.champion.split(" (not comparable: ", 1)[0] if self.champion else None
+
 
 def decide(candidate_score: float | None, champion_score: float | None, has_champion: bool) -> tuple[bool, str]:
     """Promote when there is no champion, or when the candidate scores at least the champion's score."""
@@ -79,29 +84,59 @@ def evaluate_champion(spec: RunSpec, tracking_uri: str, root: str | Path, workdi
 def run_gate(spec: RunSpec, evaluation: dict[str, float], candidates: dict[str, str], tracking_uri: str,
              root: str | Path, workdir: str | Path, candidate_alias: str) -> GateDecision:
     """Compare the run's candidates (``name -> version``: team and agents) with the champion, tag the
-    candidate versions with the decision and promote them if they win."""
+    candidate versions with the decision (the team last) and then promote them if they win. A decision an
+    earlier attempt of this run recorded (a stop during the gate) is the decision: it is completed (tags, alias
+    move), never made again against a champion it may already have moved."""
     team = team_model_name(spec.registered_name)
     agents = {name: version for name, version in candidates.items() if name != team}
-    current = champion_versions(tracking_uri, spec, len(agents))
+    ordered = {**agents, **({team: candidates[team]} if team in candidates else {})}  # the team last
     label = f"{team} v{candidates[team]}" if team in candidates else ", ".join(f"{n} v{v}" for n, v in agents.items())
-    metric, candidate_score = primary_eval(evaluation)
-    if current == agents:
-        decision = GateDecision(True, "already champion", label, label, metric, candidate_score, candidate_score)
-    else:
-        champion_label = _champion_label(tracking_uri, team, current)
-        champion_score = None
-        if current is not None and candidate_score is not None:
-            try:
-                champion_score = evaluate_champion(spec, tracking_uri, root, workdir).get(metric)
-            except Exception as error:  # a champion of another shape (agents, vocabulary) cannot be compared
-                champion_label = f"{champion_label} (not comparable: {str(error)[:200]})"
-        promoted, reason = decide(candidate_score, champion_score, current is not None)
-        decision = GateDecision(promoted, reason, label, champion_label, metric, candidate_score, champion_score)
-        if promoted:  # exactly the run's versions, the team last (not whatever holds the candidate alias now)
-            tracking.move_aliases(tracking_uri, {**agents, **({team: candidates[team]} if team in candidates else {})},
-                                  CHAMPION)
-    set_version_tags(tracking_uri, candidates, decision.tags())
+    current = champion_versions(tracking_uri, spec, len(agents))
+    decision = recorded_decision(tracking_uri, ordered, label)
+    # A recorded decision is this gate's, stopped after its tags, while the champion is the one it judged against
+    # (the alias had not moved) or these versions (it had); against any other champion the gate judges anew.
+    if decision is None or not (current == agents
+                                or decision.champion_team == _champion_label(tracking_uri, team, current)):
+        decision = new_decision(spec, evaluation, tracking_uri, root, workdir, team, agents, label, current)
+        set_version_tags(tracking_uri, ordered, decision.tags())
+    if decision.promoted:  # exactly the run's versions, the team last (not whatever holds the candidate alias now)
+        tracking.move_aliases(tracking_uri, ordered, CHAMPION)
     return decision
+
+
+def new_decision(spec: RunSpec, evaluation: dict[str, float], tracking_uri: str, root: str | Path,
+                 workdir: str | Path, team: str, agents: dict[str, str], label: str,
+                 current: dict[str, str] | None) -> GateDecision:
+    metric, candidate_score = primary_eval(evaluation)
+    if current == agents:  # promoted by hand before the gate judged it
+        return GateDecision(True, "already champion", label, label, metric, candidate_score, candidate_score)
+    champion_label = _champion_label(tracking_uri, team, current)
+    champion_score = None
+    if current is not None and candidate_score is not None:
+        try:
+            champion_score = evaluate_champion(spec, tracking_uri, root, workdir).get(metric)
+        except Exception as error:  # a champion of another shape (agents, vocabulary) cannot be compared
+            champion_label = f"{champion_label} (not comparable: {str(error)[:200]})"
+    promoted, reason = decide(candidate_score, champion_score, current is not None)
+    return GateDecision(promoted, reason, label, champion_label, metric, candidate_score, champion_score)
+
+
+def recorded_decision(tracking_uri: str, ordered: dict[str, str], label: str) -> GateDecision | None:
+    """The decision the last-tagged candidate version (the team) holds, None when the gate has not finished
+    tagging (then no alias has moved either: the decision is made again, the same way)."""
+    name = next(reversed(ordered))
+    tags = version_tags(tracking_uri, name, ordered[name])
+    if "comlrl.gate.decision" not in tags:
+        return None
+
+    def value(key: str) -> str | None:
+        return tags.get(f"comlrl.gate.{key}") or None
+
+    def score(key: str) -> float | None:
+        return float(value(key)) if value(key) is not None else None
+
+    return GateDecision(tags["comlrl.gate.decision"] == "promoted", value("reason") or "", label, value("champion"),
+                        value("metric"), score("candidate_score"), score("champion_score"))
 
 
 def _champion_label(tracking_uri: str, team: str, current: dict[str, str] | None) -> str | None:

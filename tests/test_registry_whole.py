@@ -115,3 +115,37 @@ def test_a_registration_stopped_before_its_tags_is_completed_by_the_resume(clien
     assert client.get_model_version(TEAM, "1").tags == {**tags, "comlrl.agent_versions": json.dumps(
         {AGENTS[0]: "1", AGENTS[1]: "1"})}
     assert holders(client, "candidate") == {TEAM: "1", AGENTS[0]: "1", AGENTS[1]: "1"}
+
+
+@pytest.mark.parametrize("stopped", ["after the tags", "after the alias moved"])
+def test_a_gate_stopped_after_its_decision_is_completed_with_that_decision_not_a_new_one(client, stopped, monkeypatch):
+    """The first run's gate: no champion yet, promoted. A stop (SIGKILL) after its tags (before the alias move),
+    or after the alias move: the resume's gate finds the decision the team version records and completes it:
+    the same decision ("no champion yet", not "already champion"), the alias on exactly these versions."""
+    from comlrl import tracking
+
+    spec = parse_spec(letters_spec(BASE), "spec.yaml", ".")
+    versions = {name: str(client.create_model_version(name, source=source(name)).version) for name in AGENTS}
+    versions[TEAM] = str(client.create_model_version(TEAM, source=source(TEAM)).version)
+    client.set_model_version_tag(TEAM, versions[TEAM], "comlrl.agent_versions",
+                                 json.dumps({name: versions[name] for name in AGENTS}))
+    evaluation = {"eval/reward_mean": 0.25}
+    if stopped == "after the tags":
+        moved = []
+        monkeypatch.setattr(tracking, "move_aliases", lambda *args: moved.append(args) or (_ for _ in ()).throw(
+            KeyboardInterrupt("stopped before the alias moved")))
+        with pytest.raises(KeyboardInterrupt):
+            gate.run_gate(spec, evaluation, versions, uri(client), ".", ".", "candidate")
+        monkeypatch.undo()
+        assert moved and not client.get_registered_model(TEAM).aliases  # tagged, not moved
+    else:
+        gate.run_gate(spec, evaluation, versions, uri(client), ".", ".", "candidate")
+    assert client.get_model_version(TEAM, versions[TEAM]).tags["comlrl.gate.reason"] == "no champion yet"
+
+    again = gate.run_gate(spec, evaluation, versions, uri(client), ".", ".", "candidate")
+    assert (again.promoted, again.reason, again.champion, again.candidate_score) == (True, "no champion yet", None, 0.25)
+    assert holders(client, "champion") == versions
+    for name, version in versions.items():
+        tags = client.get_model_version(name, version).tags
+        assert (tags["comlrl.gate.decision"], tags["comlrl.gate.reason"], tags["comlrl.gate.champion"]) == \
+            ("promoted", "no champion yet", ""), name
