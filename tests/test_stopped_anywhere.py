@@ -31,9 +31,10 @@ from test_run_failures import COMLRL, environment, finished, start
 from comlrl.tasks.letters import write_dataset
 
 RUN_ID = "anywhere-1"
-# The e2e tier's draws (kinds and moments printed with -s): SIGTERM in a step, SIGKILL then a reward failure
-# (MAGRPO); a SIGTERM inside the policy stage (MARLHF). COMLRL_STOP_SEEDS=1-20 draws more (each ~90 s).
-SEEDS = {"magrpo": (2, 5), "marlhf": (1,)}
+# The e2e tier's draws (kinds and moments printed with -s): a SIGKILL in epoch 2, then a reward failure in the
+# resume (MAGRPO); a SIGTERM inside the policy stage (MARLHF). Two cases keep the tier inside CI's time;
+# COMLRL_STOP_SEEDS=1-20 draws more (each ~90 s; 1-8 pass for both algorithms, see the closing note).
+SEEDS = {"magrpo": (5,), "marlhf": (1,)}
 if os.environ.get("COMLRL_STOP_SEEDS"):
     first, _, last = os.environ["COMLRL_STOP_SEEDS"].partition("-")
     SEEDS = {algorithm: tuple(range(int(first), int(last or first) + 1)) for algorithm in SEEDS}
