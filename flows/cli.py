@@ -219,7 +219,7 @@ def advice(run_id: str | None, workdir: str, first: str = "") -> str:
     if checkpoint is None:
         return f"nothing was checkpointed; {first}run the same command again"
     return (f"completed work is in {Path(checkpoint).name}; {first}continue with:  "
-            f"{executable('comlrl')} resume {run_id or 'RUN_ID'} --workdir {workdir}")
+            f"{executable('comlrl')} resume {run_id} --workdir {workdir}")
 
 
 def report(state, run_id: str | None, workdir: str, log: Path | None = None) -> int:
