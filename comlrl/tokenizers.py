@@ -3,7 +3,10 @@
 A tokenizer is accepted by what it does, not by its class: any object that provides the
 members below trains, a ``transformers`` tokenizer or not (as the original comlrl 1.4.3 allowed).
 
-Required (:data:`REQUIRED`; a missing one is refused at construction, by name):
+Required (:data:`REQUIRED`). Building a trainer reads only the attributes (:data:`AT_CONSTRUCTION`), as the
+original comlrl 1.4.3 does, so a light stand-in (``pad_token``, ``eos_token``, ``pad_token_id``, ``eos_token_id``)
+builds a trainer that is inspected but not run; ``train()`` refuses one that lacks a method before its first
+step, and any other call (``evaluate()``, a registry example) when it needs the method, by name:
 
 - ``tokenizer(texts, add_special_tokens=False)`` returns a mapping whose ``"input_ids"`` holds one
   list of ids per text; with ``return_tensors="pt", padding=True, padding_side="left"`` it holds
@@ -30,32 +33,59 @@ from pathlib import Path
 from typing import Any, Sequence
 
 REQUIRED = ("__call__", "decode", "pad_token_id", "eos_token_id")
+AT_CONSTRUCTION = ("pad_token_id", "eos_token_id")
 
 
-def missing_members(tokenizer: Any) -> list[str]:
-    """The members of :data:`REQUIRED` that ``tokenizer`` lacks (empty: it is a tokenizer)."""
-    missing = [] if callable(tokenizer) else ["__call__"]
-    missing += [name for name in REQUIRED[1:] if not hasattr(tokenizer, name)]
-    return missing
+def missing_members(tokenizer: Any, members: Sequence[str] = REQUIRED) -> list[str]:
+    """The ``members`` (default: all of :data:`REQUIRED`) that ``tokenizer`` lacks (empty: it has them all)."""
+    return [name for name in members
+            if not (callable(tokenizer) if name == "__call__" else hasattr(tokenizer, name))]
 
 
-def check_tokenizer(tokenizer: Any, role: str) -> Any:
-    """``tokenizer`` if it provides the protocol, else a ``ValueError`` naming what it lacks."""
-    missing = missing_members(tokenizer)
+def refusal(tokenizer: Any, role: str, missing: Sequence[str], purpose: str) -> ValueError:
+    """The one message for a tokenizer that lacks members: what, for whom, what for, and what to pass."""
+    return ValueError(
+        f"the tokenizer given for {role} ({type(tokenizer).__name__}) lacks {', '.join(missing)}, which {purpose} "
+        f"needs: a tokenizer must provide {', '.join(REQUIRED)} (see comlrl.tokenizers); pass a transformers "
+        "tokenizer (AutoTokenizer.from_pretrained(...)) or an object with those members"
+    )
+
+
+def check_tokenizer(tokenizer: Any, role: str, members: Sequence[str] = AT_CONSTRUCTION,
+                    purpose: str = "building the trainer") -> Any:
+    """``tokenizer`` if it has ``members`` (by default what building a trainer reads), else the
+    :func:`refusal` naming what it lacks."""
+    missing = missing_members(tokenizer, members)
     if missing:
-        raise ValueError(
-            f"the tokenizer given for {role} ({type(tokenizer).__name__}) lacks {', '.join(missing)}: a tokenizer "
-            f"must provide {', '.join(REQUIRED)} (see comlrl.tokenizers); pass a transformers tokenizer "
-            "(AutoTokenizer.from_pretrained(...)) or an object with those members"
-        )
+        raise refusal(tokenizer, role, missing, purpose)
     return tokenizer
+
+
+def check_can_tokenize(tokenizers: Sequence[Any], role: str = "agent") -> None:
+    """Every tokenizer of a run has the whole protocol: ``train()`` checks this before its first step."""
+    for index, tokenizer in enumerate(tokenizers):
+        check_tokenizer(tokenizer, f"{role}_{index}", REQUIRED, "training")
+
+
+def encode(tokenizer: Any, texts: Any, **kwargs: Any) -> Any:
+    """``tokenizer(texts, **kwargs)``, or the :func:`refusal` when the tokenizer cannot be called."""
+    if not callable(tokenizer):
+        raise refusal(tokenizer, "this model", ["__call__"], "encoding text")
+    return tokenizer(texts, **kwargs)
+
+
+def decode(tokenizer: Any, ids: Any, **kwargs: Any) -> str:
+    """``tokenizer.decode(ids, **kwargs)``, or the :func:`refusal` when the tokenizer has no ``decode``."""
+    if not callable(getattr(tokenizer, "decode", None)):
+        raise refusal(tokenizer, "this model", ["decode"], "decoding completions")
+    return tokenizer.decode(ids, **kwargs)
 
 
 def decode_rows(tokenizer: Any, ids: Any) -> list[str]:
     """Each row of ``ids`` (a ``[rows, length]`` tensor or lists) as text, special tokens skipped.
     Row by row with ``decode``, which is what ``batch_decode`` does in transformers."""
     rows = ids.tolist() if hasattr(ids, "tolist") else ids
-    return [tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+    return [decode(tokenizer, row, skip_special_tokens=True) for row in rows]
 
 
 def vocabulary(tokenizer: Any) -> dict[str, int] | None:
@@ -88,5 +118,5 @@ def check_tokenizers(tokenizers: Sequence[Any], role: str) -> list[Any]:
     return [check_tokenizer(tokenizer, f"{role}[{index}]") for index, tokenizer in enumerate(tokenizers)]
 
 
-__all__ = ["REQUIRED", "check_tokenizer", "check_tokenizers", "decode_rows", "missing_members", "save_tokenizer",
-           "tokenizer_size", "vocabulary"]
+__all__ = ["AT_CONSTRUCTION", "REQUIRED", "check_can_tokenize", "check_tokenizer", "check_tokenizers", "decode",
+           "decode_rows", "encode", "missing_members", "refusal", "save_tokenizer", "tokenizer_size", "vocabulary"]

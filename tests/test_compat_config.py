@@ -102,8 +102,19 @@ def test_rollout_buffer_and_train_batch_size_only_when_equivalent():
 
 def test_parallel_training_accepts_original_values():
     assert MAGRPOConfig(parallel_training="mp", agent_devices=["cpu", "cpu"]).device == ["cpu", "cpu"]
-    with pytest.raises(ValueError, match="parallel_training"):
+    with pytest.raises(ValueError, match="parallel_training only supports: none, mp"):
         MAGRPOConfig(parallel_training="ddp")
+
+
+@pytest.mark.parametrize("written", ["null", "Null", " NULL ", None, "None", "NONE", " none"])
+@pytest.mark.parametrize("cls, devices", [(MAGRPOConfig, {"agent_devices": "cpu"}),
+                                          (MAACConfig, {"agent_devices": "cpu", "critic_devices": "cpu"}),
+                                          (IACConfig, {"agent_devices": "cpu", "critic_devices": "cpu"})])
+def test_parallel_training_off_as_the_original_configs_write_it(cls, devices, written):
+    """comlrl 1.4.3's YAML configs write ``parallel_training: null`` for "off" (YAML reads it as None, a string
+    template as "null"); its trainers read any case. A config copied from there constructs and means "none"."""
+    assert cls(parallel_training=written).parallel_training == "none"
+    assert cls(parallel_training=" MP ", **devices).parallel_training == "mp"
 
 
 def test_critic_learning_rate_none_follows_agent_learning_rate():

@@ -83,15 +83,22 @@ def test_a_duck_tokenizer_trains_a_step_as_its_real_tokenizer_does(tiny_llama):
     assert all(torch.equal(r, d) for r, d in zip(real_weights, duck_weights))
 
 
-def test_an_object_without_decode_is_refused_naming_decode(tiny_llama):
-    with pytest.raises(ValueError, match=r"DecodelessTokenizer\) lacks decode") as error:
-        trainer_with(tiny_llama, DecodelessTokenizer(AutoTokenizer.from_pretrained(tiny_llama)))
+def test_an_object_without_decode_builds_a_trainer_but_train_refuses_it_before_the_first_step(tiny_llama, tmp_path):
+    """As in comlrl 1.4.3, building a trainer reads only the tokenizer's attributes; ``train()`` needs the whole
+    protocol and refuses before any work, naming the member, the agent and what a tokenizer must provide."""
+    trainer = trainer_with(tiny_llama, DecodelessTokenizer(AutoTokenizer.from_pretrained(tiny_llama)))
+    before = [p.detach().clone() for p in trainer.agents[0].parameters()]
+    with pytest.raises(ValueError, match=r"agent_0 \(DecodelessTokenizer\) lacks decode, which training needs") as error:
+        trainer.train(checkpoint_dir=tmp_path / "checkpoints")
     assert ", ".join(REQUIRED) in str(error.value)
+    assert trainer.state.global_step == 0 and not (tmp_path / "checkpoints").exists()
+    assert all(torch.equal(b, a) for b, a in zip(before, trainer.agents[0].parameters()))
 
 
 def test_a_list_names_the_entry_that_lacks_a_member(tiny_llama):
     real = AutoTokenizer.from_pretrained(tiny_llama)
-    with pytest.raises(ValueError, match=r"tokenizer\[1\] \(str\) lacks __call__, decode, pad_token_id, eos_token_id"):
+    with pytest.raises(ValueError, match=r"tokenizer\[1\] \(str\) lacks pad_token_id, eos_token_id, which building "
+                                         r"the trainer needs"):
         trainer_with(tiny_llama, [real, "not a tokenizer"])
 
 

@@ -77,8 +77,13 @@ def test_nonfinite_gradients_are_skipped_then_stop_the_run(tiny_llama, train_dat
 def test_bad_inputs_fail_before_loading(tiny_llama, train_dataset, reward_func):
     with pytest.raises(ValueError, match="train_dataset has 8 rows, fewer than one batch"):
         build(tiny_llama, train_dataset, reward_func, per_device_train_batch_size=9)
-    with pytest.raises(ValueError, match="max_new_tokens=300 leaves no room for a prompt in the 256-token context"):
-        build(tiny_llama, train_dataset, reward_func, max_new_tokens=300)
+    # A trainer whose max_new_tokens leaves no room is built (comlrl 1.4.3 builds one, to inspect it), and refused
+    # before training's or an evaluation's first rollout.
+    trainer = build(tiny_llama, train_dataset, reward_func, max_new_tokens=300)
+    for call in (trainer.train, lambda: trainer.evaluate(train_dataset)):
+        with pytest.raises(ValueError, match="max_new_tokens=300 leaves no room for a prompt in the 256-token context"):
+            call()
+    assert trainer.state.global_step == 0 and trainer.state.history == []
 
 
 def test_prompt_longer_than_context(tiny_llama, reward_func, caplog):

@@ -124,6 +124,24 @@ def keep_num_agents(trainer_name: str, current: int, value: Any) -> None:
             f"become {value!r}: construct a new trainer with num_agents={value!r} (and args.num_agents={value!r})")
 
 
+def keep_agents(trainer_name: str, current: Sequence[Any], value: Any) -> None:
+    """Assigning a composite trainer's ``agents`` (a plain attribute in comlrl 1.4.3): the same models, in the
+    same order, are accepted; other models are refused, since the optimizers and checkpoints hold these ones."""
+    same = isinstance(value, (list, tuple)) and len(value) == len(current) and all(
+        given is held for given, held in zip(value, current))
+    if not same:
+        raise ValueError(
+            f"{trainer_name}.agents are the {len(current)} models loaded at construction, which its optimizers and "
+            f"checkpoints hold; they cannot be replaced by {type(value).__name__} {value!r:.120}: construct a new "
+            "trainer with agents=[...] instead")
+
+
+def require_sources(single: Any, many: Any, single_name: str = "agent_model", list_name: str = "agents") -> None:
+    """Some model given at all: the original comlrl's first check of the agents (before their values)."""
+    if single is None and many is None:
+        raise ValueError(f"Either {single_name} or {list_name} must be provided (both are None)")
+
+
 def resolve_model_list(
     single: Any,
     many: Sequence[Any] | None,
@@ -141,6 +159,7 @@ def resolve_model_list(
     """
     count_label = count_label or f"num_agents ({count})"
     single = _normalize(single)
+    require_sources(single, many, single_name, list_name)
     if many is not None:
         if isinstance(many, (str, PreTrainedModel)) or not isinstance(many, (list, tuple)):
             raise ValueError(f"{list_name} must be a non-empty sequence: a list of models, got "
@@ -149,8 +168,11 @@ def resolve_model_list(
         for index, source in enumerate(many):
             _check_source_type(f"{list_name}[{index}]", source)
         if len(many) != count:
+            # The words of releases before 1.4.3, whose callers match them, when the shortcut came too.
+            both = ("" if single is None
+                    else f" (both model and {list_name} were given: {single_name}={model_name(single)!r})")
             raise ValueError(
-                f"{list_name} length ({len(many)}) must match {count_label}: {list_name} has {len(many)} "
+                f"{list_name} length ({len(many)}) must match {count_label}{both}: {list_name} has {len(many)} "
                 f"entries but the number of {'agents' if list_name == 'agents' else 'models expected'} is "
                 f"{count}; give exactly {count}"
             )
@@ -166,8 +188,6 @@ def resolve_model_list(
                     f"(entries {mismatched} differ); give only one of them, or make the names match"
                 )
         return list(many)
-    if single is None:
-        raise ValueError(f"Either {single_name} or {list_name} must be provided (both are None)")
     _check_source_type(single_name, single)
     return [single] * count
 

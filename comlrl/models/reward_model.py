@@ -21,6 +21,7 @@ from comlrl.parallel.device import resolve_device
 from comlrl.models.entities import load_causal_lm, load_tokenizer, prepare_tokenizer
 from comlrl.models.export import save_value_head
 from comlrl.rollout.preferences import agent_tag, joint_input_sections
+from comlrl.tokenizers import encode
 from comlrl.models.value_heads import attach_value_head, sequence_values
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def budget_problem(max_length: int, tag_lengths: Sequence[int]) -> str | None:
 
 def joint_tag_lengths(tokenizer: PreTrainedTokenizerBase, num_agents: int) -> list[int]:
     """Tokens of each agent's tag in a joint response, as :meth:`JointRewardModel.encode_joint` tokenizes it."""
-    return [len(tokenizer(agent_tag(index), add_special_tokens=False)["input_ids"]) for index in range(num_agents)]
+    return [len(encode(tokenizer, agent_tag(index), add_special_tokens=False)["input_ids"]) for index in range(num_agents)]
 
 
 def check_joint_budget(tokenizer: PreTrainedTokenizerBase, num_agents: int, max_length: int | None) -> None:
@@ -197,8 +198,8 @@ class JointRewardModel(torch.nn.Module):
 
     def encode(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain texts, cut at their end; joint responses go through :meth:`encode_joint`."""
-        encoded = self.tokenizer(
-            list(texts), return_tensors="pt", padding=True, truncation=self.max_length is not None,
+        encoded = encode(
+            self.tokenizer, list(texts), return_tensors="pt", padding=True, truncation=self.max_length is not None,
             max_length=self.max_length, add_special_tokens=False,
         )
         return encoded["input_ids"].to(self.device), encoded["attention_mask"].to(self.device)
@@ -213,7 +214,7 @@ class JointRewardModel(torch.nn.Module):
         side; each section tokenized alone and the whole cut by :func:`truncate_joint_ids`."""
         sections = [joint_input_sections(p, r) for p, r in zip(prompts, responses, strict=True)]
         flat = [text for row in sections for text in row]
-        flat_ids = self.tokenizer(flat, add_special_tokens=False)["input_ids"] if flat else []
+        flat_ids = encode(self.tokenizer, flat, add_special_tokens=False)["input_ids"] if flat else []
         rows, start = [], 0
         for row in sections:
             rows.append(truncate_joint_ids(flat_ids[start:start + len(row)], self.max_length))

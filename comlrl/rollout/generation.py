@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from comlrl.tokenizers import decode_rows
+from comlrl.tokenizers import decode, decode_rows, encode
 from comlrl.rollout.sampling import SamplingParams, decode
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,8 @@ def encode_prompts(
     """Left-padded prompt IDs and mask; over-long prompts keep their last ``max_prompt_length`` tokens
     (with a warning), or raise when ``overflow="error"``. With ``num_embeddings``, an ID the model cannot
     embed raises a ValueError naming the prompt row."""
-    encoded = tokenizer(
+    encoded = encode(
+        tokenizer,
         prompts,
         return_tensors="pt",
         padding=True,
@@ -122,11 +123,11 @@ def bounded_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, max_prompt_l
     """``prompt`` as generation feeds it with ``max_prompt_length`` tokens (:func:`prompt_token_limit`): the prompt
     itself when it fits, else the text of the last tokens :func:`encode_prompts` keeps. For text that stands in for
     a prompt outside a rollout, such as a registered model's input example."""
-    ids = torch.tensor([tokenizer([prompt], add_special_tokens=False)["input_ids"][0]], dtype=torch.long)
+    ids = torch.tensor([encode(tokenizer, [prompt], add_special_tokens=False)["input_ids"][0]], dtype=torch.long)
     kept, _ = truncate_prompts(ids, torch.ones_like(ids), max_prompt_length)
     if kept.shape[1] == ids.shape[1]:
         return prompt
-    return tokenizer.decode(kept[0].tolist(), skip_special_tokens=False)
+    return decode(tokenizer, kept[0].tolist(), skip_special_tokens=False)
 
 
 class _UnmergedGenerationConfig(GenerationConfig):

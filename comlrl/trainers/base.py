@@ -29,7 +29,7 @@ from comlrl.parallel.placement import (AgentMap, devices_of, local_gpus, map_by_
 from comlrl.parallel.placement import private_tokenizers as private_copies
 from comlrl.errors import NonFiniteTrainingError
 from comlrl.models.export import save_pretrained_models
-from comlrl.tokenizers import tokenizer_size
+from comlrl.tokenizers import check_can_tokenize, tokenizer_size
 from comlrl.rollout.rewards import JointReward
 from comlrl.rollout.episodes import Rollout, RolloutSpec, rollout_episodes, score_rollout
 from comlrl.rollout.generation import context_length
@@ -66,6 +66,13 @@ class CallbackSample:
     reward: torch.Tensor
     returns: torch.Tensor
     metadata: dict[str, Any]
+
+
+def check_reward_func(reward_func: Any, trainer_name: str) -> None:
+    """A trainer without a reward is refused first of all (comlrl 1.4.3's first check)."""
+    if reward_func is None:
+        raise ValueError(f"reward_func must be a callable: {trainer_name} needs reward_func (a callable or a list of "
+                         "callables), got None")
 
 
 class MultiAgentTrainer(EpochSteps):
@@ -106,13 +113,16 @@ class MultiAgentTrainer(EpochSteps):
             raise ValueError(f"args must be a {self.config_class.__name__}, got {type(self.args).__name__}")
         self.model_config = self._check_model_config(model_config)
         self._num_agents = entities.resolve_num_agents(num_agents, self.args.num_agents, self.config_class.__name__)
-        # Everything cheap is validated before any model is loaded.
-        sources = entities.resolve_model_list(entities.agent_model_argument(agent_model, model), agents,
-                                              self.num_agents)
+        # Everything cheap is validated before any model is loaded, the original's checks in its order: the
+        # agents given at all, the reward, a multi-turn transition; then this library's checks of each value.
+        agent_model = entities.agent_model_argument(agent_model, model)
+        entities.require_sources(agent_model, agents)
+        check_reward_func(reward_func, type(self).__name__)
+        if self.args.num_turns > 1 and external_transition is None:
+            raise ValueError(f"Multi-turn {self.algorithm_name} requires an external_transition: num_turns="
+                             f"{self.args.num_turns} needs external_transition to produce the next turn's prompts")
+        sources = entities.resolve_model_list(agent_model, agents, self.num_agents)
         self._model_name = entities.infer_model_name(sources[0])
-        if reward_func is None:
-            raise ValueError(f"reward_func must be a callable: {type(self).__name__} needs reward_func (a callable "
-                             "or a list of callables), got None")
         self.reward = JointReward(reward_func, self.args.reward_weights, reward_processor,
                                   on_invalid=self.args.invalid_reward, num_agents=self.num_agents,
                                   call_policy=reward_call_policy(self.args))
@@ -122,9 +132,6 @@ class MultiAgentTrainer(EpochSteps):
                 raise ValueError(f"{name} must be callable, got {type(hook).__name__}")
         if eval_dataset is not None:
             check_dataset(eval_dataset, "eval_dataset")
-        if self.args.num_turns > 1 and external_transition is None:
-            raise ValueError(f"Multi-turn {self.algorithm_name} requires an external_transition: num_turns="
-                             f"{self.args.num_turns} needs external_transition to produce the next turn's prompts")
         if external_transition is not None and not callable(external_transition):
             raise ValueError("external_transition must be callable")
         if external_transition is not None and self.args.num_turns == 1 and not self.args.was_given("num_turns"):
@@ -177,7 +184,6 @@ class MultiAgentTrainer(EpochSteps):
         load_devices = sharding.loading_devices(self.data_parallel.fsdp, self.agent_devices)
         loaded = entities.load_models(sources, tokenizers, load_devices, self.dtype, "agent", self.args.trust_remote_code)
         self.agents = self.prepare_agents(loaded.models)
-        self.check_context(self.agents)
         concurrent = runs_concurrently(self.agent_devices)
         self.tokenizers = private_copies(loaded.tokenizers) if concurrent else loaded.tokenizers
         self.agent_sources = loaded.sources
@@ -208,6 +214,11 @@ class MultiAgentTrainer(EpochSteps):
     @property
     def model_name(self) -> str | None:
         """The first agent's model name as comlrl 1.4.3 gave it (:func:`entities.infer_model_name` of its source)."""
+        return self._model_name
+
+    @property
+    def agent_model_name(self) -> str | None:
+        """:attr:`model_name` under the name earlier releases of the original comlrl gave it."""
         return self._model_name
 
     @property
@@ -249,8 +260,13 @@ class MultiAgentTrainer(EpochSteps):
     def new_state(self) -> TrainerState:
         return TrainerState()
 
+    def check_can_train(self) -> None:
+        super().check_can_train()
+        self.check_context(self.agents)
+
     def check_context(self, models: Sequence[torch.nn.Module]) -> None:
-        """Every model must leave room for ``max_new_tokens`` in its context."""
+        """Every model must leave room for ``max_new_tokens`` in its context: checked before training's or an
+        evaluation's first rollout, not at construction (comlrl 1.4.3 builds such a trainer, to inspect it)."""
         for index, model in enumerate(models):
             context = context_length(model)
             if context is not None and self.args.max_new_tokens >= context:
@@ -340,6 +356,12 @@ class MultiAgentTrainer(EpochSteps):
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The agents' torch optimizers (owned by their :class:`ModelOptimizer`)."""
         return [self.model_optimizers[f"agent_{i}"].optimizer for i in range(self.num_agents)]
+
+    @property
+    def reference_models(self) -> list[Any]:
+        """The frozen models of the reference KL, one per agent (``[]`` without ``reference_kl_enabled``), as
+        comlrl 1.4.3 named them; a LoRA agent's is the agent itself, read with its adapters off."""
+        return [reference.model for reference in self.references or []]
 
     # ----- the loop ---------------------------------------------------------------------------
     def batch_size_for(self, rows: int) -> int:
@@ -500,6 +522,8 @@ class MultiAgentTrainer(EpochSteps):
         dataset = dataset if dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("evaluate() needs eval_dataset (given to the trainer or as an argument)")
+        check_can_tokenize(self.tokenizers)
+        self.check_context(self.agents)
         count = min(num_samples or self.args.eval_num_samples, len(dataset))
         scorer = reward or self.reward
         with activity("evaluate"), scorer.drops_counted_apart() as dropped:

@@ -13,6 +13,18 @@ from comlrl.rollout.sampling import BACKENDS
 from comlrl.seeding import MAX_SEED
 
 
+def original_parallel_training(value: object) -> object:
+    """``parallel_training`` read as comlrl 1.4.3 reads it: any case, surrounding spaces ignored, and ``None``,
+    ``"null"`` (what its YAML configs write for "off") or ``"None"`` meaning ``"none"``. Other values are left for
+    the field's own check to refuse with its message."""
+    if value is None:
+        return "none"
+    if isinstance(value, str):
+        mode = value.strip().lower()
+        return "none" if mode == "null" else mode
+    return value
+
+
 @dataclass
 class RolloutConfig(ConfigBase):
     """Fields shared by every trainer: agents, sampling, optimisation schedule, logging."""
@@ -126,6 +138,7 @@ class RolloutConfig(ConfigBase):
         kind=(str, list), optional=True)
 
     def __post_init__(self) -> None:
+        self.parallel_training = original_parallel_training(self.parallel_training)
         self._adopt_original_batching()
         super().__post_init__()
         kl_coef = self.reference_kl_coef if self.reference_kl_enabled else 0.0

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from comlrl.progress import Boundary
 from comlrl.seeding import capture_rng_state, restore_rng_state
+from comlrl.tokenizers import check_can_tokenize
 from comlrl.training.metrics import MetricWindow
 from comlrl.training.signals import StopRequest
 
@@ -192,9 +193,11 @@ class TrainingLoop:
             return run.finish()
 
     def check_can_train(self) -> None:
-        """Refuse to start (before any work) when something training needs is missing: here, the training data."""
+        """Refuse to start (before any work) when something training needs is missing: the training data, or a
+        tokenizer method (a stand-in tokenizer builds a trainer, as in the original comlrl, but does not train)."""
         if getattr(self, "train_dataset", None) is None:
             raise ValueError(
                 f"Trainer: training requires a train_dataset: {type(self).__name__} has none; give train_dataset= "
                 "to the constructor or set trainer.train_dataset before train()"
             )
+        check_can_tokenize(getattr(self, "tokenizers", None) or [])

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from comlrl.algorithms.kl import k3_token_kl
-from comlrl.parallel.placement import local_gpus, resolve_placement, spread_by_size
+from comlrl.parallel.placement import check_placement_format, local_gpus, spread_by_size
 from comlrl.training.logprobs import token_logprobs
 from comlrl.utils.distributed import unwrap_model
 
@@ -30,38 +30,51 @@ def reference_kl_coef(args: Any) -> float:
 
 
 def validate_reference_kl_config(args: Any, expected_count: int) -> None:
-    """``ValueError`` for a negative coefficient, or (when enabled) ``reference_devices`` that
-    :func:`resolve_reference_devices` cannot place ``expected_count`` models on."""
+    """``ValueError`` for a negative coefficient, or (when enabled) ``reference_devices`` that do not name
+    ``expected_count`` devices (:func:`resolve_reference_devices`)."""
     if reference_kl_coef(args) < 0:
         raise ValueError(f"reference_kl_coef must be >= 0, got {reference_kl_coef(args)}")
     devices = getattr(args, "reference_devices", None)
     if reference_kl_enabled(args) and devices is not None:
-        _placed(devices, expected_count)
+        _named(devices, expected_count)
 
 
 def resolve_reference_devices(args: Any, fallback_devices: Sequence[torch.device],
                               expected_count: int) -> list[torch.device]:
     """One device per reference model: ``args.reference_devices`` (one for all, a one-entry list for all, or
-    one each; ``'auto'`` in any case spreads them over this process's GPUs, else the CPU), else the fallbacks."""
+    one each; ``'auto'`` spreads them over this process's GPUs, else the CPU), else the fallbacks.
+
+    As in comlrl 1.4.3, the devices are resolved by name, apart from the agents' and whether or not this
+    machine has them (a config written for a GPU machine resolves on a laptop); a trainer with
+    ``reference_kl_enabled`` checks that they exist before it places a model there."""
     devices = getattr(args, "reference_devices", None)
     if devices is None:
         return list(fallback_devices)
-    return _placed(devices, expected_count)
+    return _named(devices, expected_count)
 
 
-def _placed(devices: Any, count: int) -> list[torch.device]:
-    """The library's placement rules (:func:`comlrl.parallel.placement.resolve_placement`) for ``count``
-    models of one size; ``torch.device`` entries are taken as their strings."""
+def _named(devices: Any, count: int) -> list[torch.device]:
+    """``count`` devices from a placement's names (:func:`~comlrl.parallel.placement.check_placement_format`'s
+    shapes; ``torch.device`` entries are taken as their strings)."""
     if count < 1:
         raise ValueError(f"reference_devices count must be >= 1, got {count} models to place")
     if isinstance(devices, str) and devices.lower() == "auto":
         gpus = local_gpus()
         return spread_by_size([1] * count, gpus) if gpus else [torch.device("cpu")] * count
+    if isinstance(devices, torch.device):
+        devices = str(devices)
     if isinstance(devices, (list, tuple)):
         devices = [str(entry) if isinstance(entry, torch.device) else entry for entry in devices]
         if not devices:
             raise ValueError("reference_devices must be 'auto', a device string or a non-empty list of them, got []")
-    return resolve_placement(devices, [None] * count, "reference_devices")
+    problem = check_placement_format(devices, count, "reference_devices")
+    if problem:
+        raise ValueError(problem)
+    names = [devices] if isinstance(devices, str) else list(devices)
+    try:
+        return [torch.device(name) for name in (names * count if len(names) == 1 else names)]
+    except RuntimeError as error:
+        raise ValueError(f"reference_devices={devices!r} names no device: {error}") from None
 
 
 def _frozen(model: Any, device: torch.device) -> Any:

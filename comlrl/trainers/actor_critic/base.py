@@ -36,7 +36,7 @@ from comlrl.training.policy_update import backpropagate, dropout_disabled, polic
 from comlrl.training.reference import ReferenceTerms
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
 from comlrl.trainers.actor_critic.critics import CriticInput
-from comlrl.trainers.base import MultiAgentTrainer
+from comlrl.trainers.base import MultiAgentTrainer, check_reward_func
 from comlrl.trainers.epochs import Stage
 from comlrl.models.value_heads import ValueHead, attach_value_head, distinct_sequence_values, sequence_values
 
@@ -124,20 +124,27 @@ class ActorCriticTrainer(MultiAgentTrainer):
         **kwargs: Any,
     ) -> None:
         config = args if args is not None else self.config_class()
-        critic_sources: list[Any] = []
         if isinstance(config, self.config_class):  # otherwise the base constructor reports the wrong type
-            count = entities.resolve_num_agents(num_agents, config.num_agents, self.config_class.__name__)
+            # comlrl 1.4.3's order for IAC/MAAC: reward_func, then the agents, a multi-turn transition (the
+            # base constructor), then the critics (check_before_loading), each before any model loads.
+            check_reward_func(reward_func, type(self).__name__)
+            entities.resolve_num_agents(num_agents, config.num_agents, self.config_class.__name__)
             self.check_model_config_values(dict(model_config or {}))
-            critic_sources = self.resolve_critic_sources(critic_model, critics, config, count)
-        self._critic_sources = critic_sources  # placed by check_before_loading, before the actors load
+        self._critic_arguments = (critic_model, critics)
+        self._critic_sources: list[Any] = []  # resolved and placed by check_before_loading
         super().__init__(
             agent_model=agent_model, agents=agents, num_agents=num_agents, tokenizer=tokenizer,
             reward_func=reward_func, args=config, model_config=model_config, **kwargs,
         )
-        self.critics = self._load_critics(critic_sources)
-        self.critic_sources = [entities.model_name(source) for source in critic_sources]
+        self.critics = self._load_critics(self._critic_sources)
+        self.critic_sources = [entities.model_name(source) for source in self._critic_sources]
         self.attach_value_heads()
         self.model_optimizers = self.build_actor_critic_optimizers()
+
+    @property
+    def critic_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The separate critics' torch optimizers, in critic order (``[]`` when the actors carry the value heads)."""
+        return [self.model_optimizers[name].optimizer for name in self.critic_names()] if self.critics else []
 
     def build_agent_optimizers(self) -> dict[str, Any]:
         return {}  # built once the value heads exist (build_actor_critic_optimizers)
@@ -186,6 +193,7 @@ class ActorCriticTrainer(MultiAgentTrainer):
 
     def check_before_loading(self, sources: list[Any]) -> None:
         super().check_before_loading(sources)
+        self._critic_sources = self.resolve_critic_sources(*self._critic_arguments, self.args, self.num_agents)
         check_early_termination_alone(type(self).__name__, self.args, self.data_parallel.enabled)
         self.critic_devices = self.critic_placement(self._critic_sources)
 

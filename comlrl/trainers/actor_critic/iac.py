@@ -28,6 +28,12 @@ class IACTrainer(ActorCriticTrainer):
     def critic_names(self) -> list[str]:
         return [f"critic_{i}" for i in range(self.num_agents)]
 
+    @property
+    def critic_models(self) -> list[Any]:
+        """One entry per agent, as earlier releases of the original comlrl named them: its separate critic, or
+        None where the actor carries its own value head (``use_separate_critic=False``)."""
+        return list(self.critics) if self.critics else [None] * self.num_agents
+
     def critic_tokenizer_index(self, critic: int) -> int:
         return critic
 

@@ -38,6 +38,16 @@ class MAACTrainer(ActorCriticTrainer):
     def critic_names(self) -> list[str]:
         return ["critic"]
 
+    @property
+    def critic_model(self) -> Any:
+        """The centralised critic (``critics[0]``), as earlier releases of the original comlrl named it."""
+        return self.critics[0]
+
+    @property
+    def critic_model_name(self) -> str | None:
+        """The critic's model name (its identifier or directory; None for an object without one)."""
+        return self.critic_sources[0]
+
     def critic_tokenizer_index(self, critic: int) -> int:
         return 0
 

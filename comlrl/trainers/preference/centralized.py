@@ -31,7 +31,13 @@ class TaggedCentralizedComparatorAdapter:
     :class:`~comlrl.rollout.collaboration.TaggedCollaboration`, for as many agents as it is given."""
 
     def build_prompt(self, batch_item: Any, agent_prompts: Sequence[str]) -> str:
-        return TaggedCollaboration(len(agent_prompts)).build_prompt(batch_item, list(agent_prompts))
+        """Each agent's original prompt under its number (as 1.4.3's prompt labels them), then the tagged
+        answer format; ``batch_item`` is not read."""
+        del batch_item
+        sections = "\n\n".join(f"Agent {index} original prompt:\n{prompt}" for index, prompt in enumerate(agent_prompts))
+        return (f"Write the separate outputs of {len(agent_prompts)} agents in one reply: each output answers its "
+                f"agent's original prompt.\n\n{sections}\n\n"
+                f"{TaggedCollaboration(len(agent_prompts)).answer_instructions()}\n")
 
     def parse_completion(self, completion: str, batch_item: Any, num_agents: int) -> list[str]:
         return TaggedCollaboration(num_agents).parse_completion(completion, batch_item, num_agents)

@@ -43,7 +43,7 @@ from transformers import AutoTokenizer
 from comlrl.data import default_formatter, format_prompt
 from comlrl.models import entities, lora
 from comlrl.models.export import save_pretrained_models
-from comlrl.tokenizers import vocabulary
+from comlrl.tokenizers import encode, vocabulary
 from comlrl.parallel.device import resolve_device
 from comlrl.rollout.collaboration import as_adapter, build_adapter, split_completions
 from comlrl.rollout.episodes import RolloutSpec, rollout_episodes
@@ -80,7 +80,7 @@ def text_ids(tokenizer: Any, texts: Sequence[str], finished: Sequence[bool]) -> 
     """Completions known only as text, as the policy's generation represents its own: the text's tokens
     (tokenized alone, no special tokens added), then the agent's EOS where the completion finished."""
     eos = eos_ids(tokenizer)
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] + (eos[:1] if done else [])
+    return [encode(tokenizer, text, add_special_tokens=False)["input_ids"] + (eos[:1] if done else [])
             for text, done in zip(texts, finished, strict=True)]
 
 

@@ -40,10 +40,10 @@ from comlrl.rollout import preferences
 from comlrl.parallel.device import resolve_device
 from comlrl.training.metrics import MetricWindow
 from comlrl.models.entities import load_tokenizer
-from comlrl.models.reward_model import check_joint_budget, learned_reward, resolve_reward_device
+from comlrl.models.reward_model import JointRewardModel, check_joint_budget, learned_reward, resolve_reward_device
 from comlrl.rollout.rewards import JointReward
 from comlrl.seeding import capture_rng_state, restore_rng_state
-from comlrl.trainers.base import resolve_num_samples
+from comlrl.trainers.base import check_reward_func, resolve_num_samples
 from comlrl.trainers.inputs import TrainerInputs, Unpack
 from comlrl.trainers.preference.comparators import build_comparator
 from comlrl.trainers.preference.config import MARLHFConfig
@@ -79,6 +79,8 @@ class MARLHFTrainer(PreferenceRounds):
             sharding.check_shardable(type(self).__name__, self.fsdp_refusal, self.args.lora_rank, [])
         count = entities.resolve_num_agents(inputs.get("num_agents"), self.args.num_agents, self.config_class.__name__)
         agent_model = entities.agent_model_argument(agent_model, inputs.pop("model", None))
+        entities.require_sources(agent_model, inputs.get("agents"))  # the original's first checks, in its order
+        check_reward_func(inputs.get("reward_func"), type(self).__name__)
         first_actor = entities.model_name(entities.resolve_model_list(agent_model, inputs.get("agents"), count)[0])
         self.reward_model_source = self._reward_model_source(first_actor)
         self._check_reward_device()
@@ -273,3 +275,7 @@ class MARLHFIterTrainer(RewardHistogramNames, MARLHFTrainer):
     @classmethod
     def iterations_of(cls, args: Any) -> int:
         return args.num_iterations
+
+
+# JointRewardModel is importable from here, where comlrl 1.4.3 kept it.
+__all__ = ["JointRewardModel", "MARLHFIterTrainer", "MARLHFTrainer"]

@@ -77,8 +77,9 @@ class PreferenceRounds(TrainingLoop):
     def num_iterations(self) -> int:
         return self.iterations_of(self.args)
 
-    # What the run shows of its policy trainer (read-only).
-    agents = property(lambda self: self.policy_trainer.agents)
+    # What the run shows of its policy trainer (read-only; agents accepts its own value, as num_agents does).
+    agents = property(lambda self: self.policy_trainer.agents,
+                      lambda self, value: entities.keep_agents(type(self).__name__, self.policy_trainer.agents, value))
     tokenizers = property(lambda self: self.policy_trainer.tokenizers)
     agent_models = property(lambda self: self.policy_trainer.agent_models)
     model_name = property(lambda self: self.policy_trainer.model_name)
@@ -105,6 +106,10 @@ class PreferenceRounds(TrainingLoop):
     def run_agents_with(self, agent_map: Any, private_tokenizers: bool = False) -> None:
         """Route the per-agent work of the policy trainer (collection included) through ``agent_map``."""
         self.policy_trainer.run_agents_with(agent_map, private_tokenizers)
+
+    def check_can_train(self) -> None:
+        super().check_can_train()
+        self.policy_trainer.check_context(self.policy_trainer.agents)
 
     def planned_training_steps(self) -> int:
         return self.policy_trainer.planned_training_steps()

@@ -26,6 +26,7 @@ from comlrl.trainers.inputs import TrainerInputs, Unpack
 from comlrl.trainers.config import reward_call_policy
 from comlrl.trainers.reinforce.centralized_config import CentralizedMAGRPOConfig
 from comlrl.trainers.reinforce.magrpo import MAGRPOTrainer
+from comlrl.tokenizers import encode
 
 
 class CentralizedMAGRPOTrainer(MAGRPOTrainer):
@@ -135,7 +136,7 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
         responses, failed = split_completions(self.collaboration, texts, rows, self.args.parse_failure)
         metrics["collaboration/parse_error_rate"] = sum(failed) / len(failed)
         for role, role_texts in enumerate(responses):
-            lengths = [len(ids) for ids in self.tokenizers[0](role_texts, add_special_tokens=False)["input_ids"]]
+            lengths = [len(ids) for ids in encode(self.tokenizers[0], role_texts, add_special_tokens=False)["input_ids"]]
             metrics[f"agent_{role}/completion_length"] = sum(lengths) / len(lengths)
         return metrics
 
