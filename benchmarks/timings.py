@@ -1,4 +1,4 @@
-"""Re-measure the README's timings (README, 'Timings') as a new user gets them: a fresh clone of this
+"""Re-measure the published timings (docs/performance.md, 'Timings') as a new user gets them: a fresh clone of this
 repository's HEAD, its own new virtual environment, and the README's commands run as printed.
 
     .venv/bin/python benchmarks/timings.py                 # install, demo, test suite, end-to-end tier
@@ -7,7 +7,7 @@ repository's HEAD, its own new virtual environment, and the README's commands ru
 Install is the first ``bash infra/bootstrap.sh demo`` minus a second one (the second reuses the venv, so it
 is the demo alone); the test figures are the wall time of ``bash infra/bootstrap.sh test`` and of
 ``bash infra/bootstrap.sh test -m e2e`` after the install. Prints a Markdown table; run it on a quiet
-machine (nothing else using the cores) for figures comparable to the README's.
+machine (nothing else using the cores) for figures comparable to those in docs/performance.md.
 """
 
 from __future__ import annotations

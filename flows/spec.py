@@ -19,7 +19,7 @@ Example (``flows/specs/letters.yaml`` is the bundled demo)::
       eval: data/letters/eval.parquet
     reward: comlrl.tasks.letters:letters_reward
     config: {num_agents: 2, num_generations: 4, num_train_epochs: 3}
-    execution: {task_runner: dask}         # optional: one Prefect task per agent on Dask (README)
+    execution: {task_runner: dask}         # optional: one Prefect task per agent on Dask (docs/scale-out.md, "Distributed task runner")
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ job="${1:-demo}"
 if [[ "$job" == test ]]; then POSTGRES="${COMLRL_POSTGRES:-1}"; else POSTGRES="${COMLRL_POSTGRES:-0}"; fi
 if [[ "$job" == test ]]; then BROWSER="${COMLRL_BROWSER:-1}"; else BROWSER=0; fi
 EXTRAS="pipeline,lora,test"
+[[ "$job" != test ]] || EXTRAS+=",docs"
 [[ "$POSTGRES" != 1 ]] || EXTRAS+=",postgres"
 [[ "$BROWSER" != 1 ]] || EXTRAS+=",browser"
 WANT="$(sha256sum pyproject.toml | cut -d' ' -f1) $EXTRAS"

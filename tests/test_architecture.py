@@ -1,7 +1,7 @@
 """The layers hold: no import cycle, and no import (at module level or inside a function) from a lower
 layer back up to a higher one.
 
-Layers, lowest first (the README's architecture picture):
+Layers, lowest first (docs/architecture.md's picture):
 
 0. ``comlrl/{errors,callbacks,config,progress,data,seeding,imports,tiny}.py`` — plain data and helpers
 1. ``algorithms``, ``parallel``, ``checkpointing``, ``tracking*``, ``sandbox``, ``tasks`` — maths, devices, files,

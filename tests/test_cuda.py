@@ -5,7 +5,7 @@ Every test is skipped without a CUDA GPU (CI has none); run them on a GPU machin
 ``pytest tests/test_cuda.py``. Sizes are the smallest that exercise each path (2 agents, 2 samples per prompt,
 4 new tokens, 4 prompts in batches of 2), so the file takes seconds on a GPU.
 
-Resume: the README promises an uninterrupted run's weights "bit for bit" on CPU and says nothing about CUDA, and
+Resume: docs/checkpoints.md promises an uninterrupted run's weights "bit for bit" on CPU and says nothing about CUDA, and
 the library does not call ``torch.use_deterministic_algorithms``. So the resume test first checks that two
 uninterrupted CUDA runs agree bit for bit (the GPU kernels of these tiny models are deterministic), then that a
 resumed run equals them: if the first holds and the second fails, the resume itself loses state on CUDA.

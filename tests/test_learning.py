@@ -94,7 +94,7 @@ def held_out_rise(kind: str, model: str, seed: int) -> float:
     return held_out_reward(trainer) - before
 
 
-# The preference pipelines' learning runs take minutes: they are in the end-to-end tier (README, "Tests").
+# The preference pipelines' learning runs take minutes: they are in the end-to-end tier (docs/getting-started.md, "Tests").
 E2E_KINDS = ("marlhf", "marlhf_iter")
 
 

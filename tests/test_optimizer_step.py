@@ -96,7 +96,7 @@ def test_a_schedule_cannot_be_replanned_after_a_step():
 
 
 def test_nothing_else_steps_an_optimizer_or_a_schedule():
-    """The README's claim: only the optimizer-step component calls optimizer.step() / scheduler.step()."""
+    """docs/architecture.md's claim: only the optimizer-step component calls optimizer.step() / scheduler.step()."""
     import re
     from pathlib import Path
 

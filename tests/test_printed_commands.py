@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCUMENTS = [ROOT / "README.md", ROOT / "infra" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTS = [ROOT / "README.md", ROOT / "infra" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 CLEAN_ENV = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
 # Installed only into the project's venv: called bare they need an activated venv.
 VENV_ONLY = ("comlrl", "mlflow", "prefect", "torchrun", "accelerate", "mutmut", "pytest", "pip", "uvicorn")

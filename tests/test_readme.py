@@ -1,13 +1,15 @@
-"""The README's Python examples run as written."""
+"""The README's and the training page's Python examples run as written, and the test tiers are as documented."""
 
 import re
 from pathlib import Path
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+TRAINING = README.parent / "docs" / "training.md"  # rewards, formatters, multi-turn
+GETTING_STARTED = README.parent / "docs" / "getting-started.md"  # set-up and the test tiers
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def python_blocks(document: Path = README) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", document.read_text(), flags=re.S)
 
 
 def test_training_example_runs(tmp_path, monkeypatch):
@@ -20,7 +22,7 @@ def test_training_example_runs(tmp_path, monkeypatch):
 
 
 def test_transition_example_returns_one_prompt_per_agent():
-    block = next(b for b in python_blocks() if "def transition" in b)
+    block = next(b for b in python_blocks(TRAINING) if "def transition" in b)
     namespace: dict = {}
     exec(block, namespace)
     prompts = namespace["transition"]("task", ["a", "b"], 2)
@@ -28,12 +30,15 @@ def test_transition_example_returns_one_prompt_per_agent():
 
 
 def test_the_two_tiers_are_as_the_readme_says():
-    """The README's test command deselects the end-to-end tier, `test -m e2e` runs it, .ci/run runs both, and
-    every module the README names as a home of the tier's guarantees has tests in it."""
+    """The README prints the test command and `test -m e2e`; the test command deselects the end-to-end tier,
+    `test -m e2e` runs it, .ci/run runs both, and every module docs/getting-started.md names as a home of the
+    tier's guarantees has tests in it."""
     root = README.parent
-    text = README.read_text()
-    paragraph = text[text.index("only home of these guarantees"):text.index("[Timings](#timings).", text.index(
-        "only home of these guarantees"))]
+    readme = README.read_text()
+    assert "bash infra/bootstrap.sh test " in readme and "bash infra/bootstrap.sh test -m e2e\n" in readme
+    text = GETTING_STARTED.read_text()
+    paragraph = text[text.index("only home of these guarantees"):text.index("[Timings](performance.md#timings).",
+                                                                            text.index("only home of these guarantees"))]
     modules = sorted(set(re.findall(r"`(tests/test_\w+\.py)`", paragraph)))
     assert len(modules) >= 10, modules
     for module in modules:  # read, not collected: a module may skip at import (no psycopg, no selenium)
