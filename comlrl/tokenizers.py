@@ -74,7 +74,7 @@ def encode(tokenizer: Any, texts: Any, **kwargs: Any) -> Any:
     return tokenizer(texts, **kwargs)
 
 
-def decode(tokenizer: Any, ids: Any, **kwargs: Any) -> str:
+def decode_ids(tokenizer: Any, ids: Any, **kwargs: Any) -> str:
     """``tokenizer.decode(ids, **kwargs)``, or the :func:`refusal` when the tokenizer has no ``decode``."""
     if not callable(getattr(tokenizer, "decode", None)):
         raise refusal(tokenizer, "this model", ["decode"], "decoding completions")
@@ -85,7 +85,7 @@ def decode_rows(tokenizer: Any, ids: Any) -> list[str]:
     """Each row of ``ids`` (a ``[rows, length]`` tensor or lists) as text, special tokens skipped.
     Row by row with ``decode``, which is what ``batch_decode`` does in transformers."""
     rows = ids.tolist() if hasattr(ids, "tolist") else ids
-    return [decode(tokenizer, row, skip_special_tokens=True) for row in rows]
+    return [decode_ids(tokenizer, row, skip_special_tokens=True) for row in rows]
 
 
 def vocabulary(tokenizer: Any) -> dict[str, int] | None:
@@ -118,5 +118,5 @@ def check_tokenizers(tokenizers: Sequence[Any], role: str) -> list[Any]:
     return [check_tokenizer(tokenizer, f"{role}[{index}]") for index, tokenizer in enumerate(tokenizers)]
 
 
-__all__ = ["AT_CONSTRUCTION", "REQUIRED", "check_can_tokenize", "check_tokenizer", "check_tokenizers", "decode",
-           "decode_rows", "encode", "missing_members", "refusal", "save_tokenizer", "tokenizer_size", "vocabulary"]
+__all__ = ["AT_CONSTRUCTION", "REQUIRED", "check_can_tokenize", "check_tokenizer", "check_tokenizers",
+           "decode_ids", "decode_rows", "encode", "missing_members", "refusal", "save_tokenizer", "tokenizer_size", "vocabulary"]

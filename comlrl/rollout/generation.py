@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from comlrl.tokenizers import decode, decode_rows, encode
+from comlrl.tokenizers import decode_ids, decode_rows, encode
 from comlrl.rollout.sampling import SamplingParams, decode
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ def bounded_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, max_prompt_l
     kept, _ = truncate_prompts(ids, torch.ones_like(ids), max_prompt_length)
     if kept.shape[1] == ids.shape[1]:
         return prompt
-    return decode(tokenizer, kept[0].tolist(), skip_special_tokens=False)
+    return decode_ids(tokenizer, kept[0].tolist(), skip_special_tokens=False)
 
 
 class _UnmergedGenerationConfig(GenerationConfig):
