@@ -1,6 +1,6 @@
 """What a run's boundaries are called in the Prefect UI, and the row each one adds to the run's table.
 
-A boundary (:class:`comlrl.training.loop.Boundary`, planned by the trainer class) is one
+A boundary (:class:`comlrl.progress.Boundary`, planned by the trainer class) is one
 checkpoint of a run: an epoch (MAGRPO, IAC, MAAC, ...) or a PbRL stage (preference collection,
 reward-model fit, policy update). The flow runs each as a subflow named by :func:`title`
 ("epoch 2 of 3", "iteration 1 · reward-model fit (2/3)") whose tasks are named by

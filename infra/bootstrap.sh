@@ -2,7 +2,8 @@
 # Set up the project's virtual environment (once per pyproject.toml change), then run a job.
 #   bash infra/bootstrap.sh demo [args]   the main job on the embedded default
 #   bash infra/bootstrap.sh test [args]   the test suite without the end-to-end tier (-m "not e2e");
-#                                         `test -m e2e` runs that tier (a later -m replaces the first)
+#                                         `test -m e2e` runs that tier (a later -m replaces the first);
+#                                         on COMLRL_TEST_WORKERS (default 2) pytest-xdist workers (`-n 0`: one process)
 # The test job also installs the PostgreSQL stack (the `postgres` extra and, as root on Debian, the
 # postgresql package) for tests/test_production_stack.py; COMLRL_POSTGRES=1 asks for it with the demo
 # (bash infra/servers.sh start --postgres), COMLRL_POSTGRES=0 skips it for the tests. It also installs the
@@ -71,7 +72,9 @@ case "$job" in
         ;;
     test)
         set +e
-        "$VENV/bin/python" -m pytest -m "not e2e" "$@"
+        # Two worker processes, each taking whole test modules (a module's fixtures are built once): most
+        # tests wait on a child process, a server or the disk, so two halve the wall time on 2 cores.
+        "$VENV/bin/python" -m pytest -m "not e2e" -n "${COMLRL_TEST_WORKERS:-2}" --dist loadfile "$@"
         status=$?
         if [[ $status -eq 5 ]]; then
             echo "pytest collected no tests: treating that as a failure" >&2

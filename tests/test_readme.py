@@ -45,6 +45,7 @@ def test_the_two_tiers_are_as_the_readme_says():
         source = (root / module).read_text()
         assert "pytest.mark.e2e" in source and "\ndef test_" in source, module
     bootstrap = (root / "infra" / "bootstrap.sh").read_text()
-    assert '-m pytest -m "not e2e" "$@"' in bootstrap  # a later -m (e.g. `test -m e2e`) replaces the first
+    # A later -m (e.g. `test -m e2e`) replaces the first, and a later -n the workers (docs/getting-started.md).
+    assert '-m pytest -m "not e2e" -n "${COMLRL_TEST_WORKERS:-2}" --dist loadfile "$@"' in bootstrap
     ci = (root / ".ci" / "run").read_text()
     assert "bash infra/bootstrap.sh test ||" in ci and "bash infra/bootstrap.sh test -m e2e" in ci

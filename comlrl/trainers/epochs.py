@@ -114,7 +114,7 @@ class EpochSteps(TrainingLoop):
         self.history_tags = dict(tags)
 
     def use_evaluator(self, evaluator: Callable[[], dict[str, float]] | None) -> None:
-        """What the ``eval_interval`` cadence calls instead of :meth:`evaluate` (None: ``evaluate``)."""
+        """What the ``eval_interval`` cadence calls instead of ``evaluate()`` (None: ``evaluate``)."""
         self.evaluator = evaluator
 
     # ----- the steps of an epoch -------------------------------------------------------------------

@@ -4,7 +4,7 @@ can drive it, from ``train()`` or from a Prefect flow alike.
 A run is a sequence of **boundaries**, each ending in a possible checkpoint: an epoch (its steps,
 then the epoch's end) or a PbRL stage (one call). A trainer built on :class:`TrainingLoop` provides
 
-- ``plan_boundaries(args)`` (a classmethod: the plan needs no model) and ``state`` (a :class:`TrainerState`);
+- ``plan_boundaries(args)`` (a classmethod: the plan needs no model) and ``state`` (a :class:`comlrl.progress.TrainerState`);
 - ``steps_left()``, ``take_step(window, progress)`` and ``close_boundary(window)``: the steps of the
   current boundary one at a time, then its end (an epoch's end, or the whole PbRL stage), the run's
   logging window (``logging_window()``: a :class:`~comlrl.training.metrics.MetricWindow`) passed to both;

@@ -10,7 +10,7 @@ schedule.
 Counting. ``gradient_accumulation_steps`` (A) counts backward passes ("micro-batches") per
 optimizer step; every update pass over a rollout batch is one micro-batch, so with P passes
 per batch and B batches per epoch an epoch takes ``ceil(B * P / A)`` optimizer steps: a
-trailing partial window is applied by :meth:`flush` with the mean gradient of what it holds.
+trailing partial window is applied by :meth:`ModelOptimizer.flush` with the mean gradient of what it holds.
 
 Weighting. A loss that is a mean over items (completions, completion tokens, preference pairs)
 registers each micro-batch's item count with :meth:`ModelOptimizer.item_loss_scale` before its
@@ -21,7 +21,7 @@ always differ). Other losses scale each micro-batch by :attr:`ModelOptimizer.los
 (:func:`planned_optimizer_steps`), and it advances on every planned step, a skipped
 (non-finite) one included, so the LR at each step is where the plan puts it.
 
-State. :meth:`state_dict` holds the optimizer and schedule states, the counters (a counted window's
+State. :meth:`ModelOptimizer.state_dict` holds the optimizer and schedule states, the counters (a counted window's
 items as their total over the processes) and the
 gradients of a window still pending (averaged over the processes, as the step would average them),
 so a checkpoint taken between two optimizer steps resumes exactly, in as many processes as it likes. Under FSDP the optimizer state is gathered to rank 0 (a collective: every rank calls

@@ -4,7 +4,8 @@
 the longest run of leading lines that parses), keeps its imports and top-level function definitions
 and drops everything else (calls, prints, ``if __name__ == "__main__"`` blocks, prose). :func:`joint_program`
 puts the problem's preamble, the aux agent's code and the main agent's code together;
-:func:`analyse` answers the questions the reward's levels ask about it.
+:func:`function`, :func:`returns_something`, :func:`aux_calls`, :func:`ignores_aux_result` and
+:func:`is_wrapper` answer the questions the reward's levels ask about it.
 """
 
 from __future__ import annotations

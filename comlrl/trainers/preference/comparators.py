@@ -10,7 +10,7 @@
 - :class:`CentralizedComparator` (``comparator_generation_mode='centralized'``): one model of the
   above (or the policy's own agent) writes every agent's part in one joint completion.
 
-Every comparator answers :meth:`sample` with each agent's completions for every prompt, as text and
+Every comparator answers ``sample`` (e.g. :meth:`ModelComparator.sample`) with each agent's completions for every prompt, as text and
 as token IDs of that agent's tokenizer (the DPO step scores them under the agent), stored as the
 policy stores its own: the sampled IDs up to and including EOS (:func:`sampled_ids`), so both sides
 of a pair are scored alike, the EOS term included. The history comparator (this run's own agents)
