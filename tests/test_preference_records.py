@@ -1,0 +1,103 @@
+"""What a DPO step and the reward model read from stored preference pairs (comlrl/rollout/preferences.py),
+checked against values written out by hand in each test: the rows a step selects, the tokens a stored pair
+becomes, the joint text the reward model reads, and the Parquet file a run keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from comlrl.rollout.generation import Generation
+from comlrl.rollout.preferences import (generation_rows, joint_input_sections, joint_input_text, load_pairs,
+                                        pair_generation, pairs_dataset, save_pairs)
+
+
+def test_generation_rows_takes_the_rows_in_the_order_given():
+    generation = Generation(
+        prompt_ids=torch.tensor([[0, 5], [6, 7], [8, 9]]), prompt_mask=torch.tensor([[0, 1], [1, 1], [1, 1]]),
+        completion_ids=torch.tensor([[1, 2, 3], [4, 5, 0], [6, 0, 0]]),
+        completion_mask=torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]),
+        texts=["first", "second", "third"], num_generations=3)
+    picked = generation_rows(generation, [2, 0, 2])
+    assert picked.prompt_ids.tolist() == [[8, 9], [0, 5], [8, 9]]
+    assert picked.prompt_mask.tolist() == [[1, 1], [0, 1], [1, 1]]
+    assert picked.completion_ids.tolist() == [[6, 0, 0], [1, 2, 3], [6, 0, 0]]
+    assert picked.completion_mask.tolist() == [[1, 0, 0], [1, 1, 1], [1, 0, 0]]
+    assert picked.texts == ["third", "first", "third"]
+    assert picked.num_generations == 1  # every selected row stands alone (a pair side), not a group
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def test_a_stored_pair_becomes_its_prompt_then_exactly_its_stored_tokens(tokenizer):
+    prompts = ["the cat", "a dog and the sun"]
+    chosen, rejected = [[5, 6, 7], [8]], [[9, 10], [11, 12, 13, 14]]
+    pad = tokenizer.pad_token_id
+    generation = pair_generation(tokenizer, prompts, chosen, rejected, torch.device("cpu"))
+    # Rows 0..1 the chosen sides, 2..3 the rejected ones, right-padded to the longest (4) with the pad id.
+    assert generation.completion_ids.tolist() == [[5, 6, 7, pad], [8, pad, pad, pad], [9, 10, pad, pad],
+                                                  [11, 12, 13, 14]]
+    assert generation.completion_mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert generation.texts == [tokenizer.decode(ids, skip_special_tokens=True) for ids in chosen + rejected]
+    assert generation.num_generations == 1
+    # Each row's prompt as sampling encodes it: left-padded, no special tokens added, the prompts repeated.
+    encoded = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in prompts * 2]
+    width = max(len(ids) for ids in encoded)
+    assert generation.prompt_ids.tolist() == [[pad] * (width - len(ids)) + ids for ids in encoded]
+    assert generation.prompt_mask.tolist() == [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded]
+
+
+def test_a_pair_of_empty_completions_is_one_masked_pad_column_and_prompts_keep_their_bound(tokenizer):
+    generation = pair_generation(tokenizer, ["the cat sat on the hill"], [[]], [[]], torch.device("cpu"),
+                                 max_prompt_length=2)
+    assert generation.completion_ids.tolist() == [[tokenizer.pad_token_id]] * 2
+    assert generation.completion_mask.tolist() == [[0], [0]]
+    last_two = tokenizer("the cat sat on the hill", add_special_tokens=False)["input_ids"][-2:]
+    assert generation.prompt_ids.tolist() == [last_two, last_two]  # the last tokens, as sampling keeps them
+    with pytest.raises(ValueError, match="only 2 fit"):  # and the overflow setting reaches the encoder
+        pair_generation(tokenizer, ["the cat sat on the hill"], [[]], [[]], torch.device("cpu"),
+                        max_prompt_length=2, prompt_overflow="error")
+
+
+def test_a_tokenizer_without_a_pad_id_pads_stored_completions_with_zero(tokenizer):
+    class NoPad:
+        """The tokenizer as a stored pair sees it, but without a pad id."""
+        pad_token_id = None
+
+        def __call__(self, *args, **kwargs):
+            return tokenizer(*args, **kwargs)
+
+        def decode(self, *args, **kwargs):
+            return tokenizer.decode(*args, **kwargs)
+
+    generation = pair_generation(NoPad(), ["the cat"], [[5, 6]], [[7]], torch.device("cpu"))
+    assert generation.completion_ids.tolist() == [[5, 6], [7, 0]]
+    assert generation.completion_mask.tolist() == [[1, 1], [1, 0]]
+
+
+def test_the_joint_text_the_reward_model_reads():
+    sections = joint_input_sections("Task: add", ["def f(): pass", "x = 1"])
+    assert sections == ["Task: add", "\n[agent 0]", " def f(): pass", "\n[agent 1]", " x = 1"]
+    assert joint_input_text("Task: add", ["def f(): pass", "x = 1"]) == (
+        "Task: add\n[agent 0] def f(): pass\n[agent 1] x = 1")
+    assert joint_input_text("P", []) == "P"
+
+
+def test_pairs_are_kept_in_a_parquet_file_below_folders_it_creates(tmp_path):
+    records = [{"iteration": 1, "row_index": 3, "prompt": "p", "agent_prompts": ["a", "b"], "chosen": ["x", "y"],
+                "rejected": ["u", "v"], "chosen_ids": [[1], [2, 3]], "rejected_ids": [[4], [5]],
+                "chosen_reward": 1.5, "rejected_reward": -0.5, "chosen_source": "policy",
+                "rejected_source": "comparator"}]
+    target = tmp_path / "run" / "iteration-1" / "pairs.parquet"  # neither folder exists yet
+    assert save_pairs(pairs_dataset(records), target) == target
+    assert target.read_bytes()[:4] == b"PAR1"
+    assert load_pairs(str(target)).to_list() == records
+    missing = tmp_path / "nowhere" / "pairs.parquet"
+    with pytest.raises(FileNotFoundError, match=r"no preference pairs at '.*nowhere/pairs\.parquet'"):
+        load_pairs(missing)
+    with pytest.raises(FileNotFoundError, match="no preference pairs"):
+        load_pairs(tmp_path)  # a folder is not a pairs file
