@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from comlrl.rollout.generation import Generation
 from comlrl.rollout.preferences import (generation_rows, joint_input_sections, joint_input_text, load_pairs,
-                                        pair_generation, pairs_dataset, save_pairs)
+                                        pair_generation, pairs_dataset, save_pairs, split_heldout)
 
 
 def test_generation_rows_takes_the_rows_in_the_order_given():
@@ -42,6 +42,7 @@ def test_a_stored_pair_becomes_its_prompt_then_exactly_its_stored_tokens(tokeniz
     assert generation.completion_ids.tolist() == [[5, 6, 7, pad], [8, pad, pad, pad], [9, 10, pad, pad],
                                                   [11, 12, 13, 14]]
     assert generation.completion_mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]]
+    assert generation.completion_ids.dtype == generation.completion_mask.dtype == torch.long  # as sampling's
     assert generation.texts == [tokenizer.decode(ids, skip_special_tokens=True) for ids in chosen + rejected]
     assert generation.num_generations == 1
     # Each row's prompt as sampling encodes it: left-padded, no special tokens added, the prompts repeated.
@@ -101,3 +102,20 @@ def test_pairs_are_kept_in_a_parquet_file_below_folders_it_creates(tmp_path):
         load_pairs(missing)
     with pytest.raises(FileNotFoundError, match="no preference pairs"):
         load_pairs(tmp_path)  # a folder is not a pairs file
+
+
+def test_the_heldout_split_holds_out_whole_prompts_and_leaves_one_to_train_on():
+    groups = ["a", "a", "b", "b", "b", "c"]  # each pair's row_index: prompt b has three pairs
+    train, heldout = split_heldout(len(groups), 0.5, seed=3, groups=groups)
+    held = {groups[i] for i in heldout}
+    assert len(held) == 2  # round(3 prompts x 0.5) = 2 prompts, whole
+    assert sorted(train + heldout) == list(range(6))
+    assert heldout == [i for i, group in enumerate(groups) if group in held]
+    assert not held & {groups[i] for i in train}
+    pairs_train, pairs_heldout = split_heldout(6, 0.5, seed=3)  # without groups: pairs, 3 of 6
+    assert len(pairs_heldout) == 3 and sorted(pairs_train + pairs_heldout) == list(range(6))
+    # However large the fraction, one prompt (or pair) is left to train on; a single one is never held out.
+    assert [len(part) for part in split_heldout(4, 1.0, seed=0)] == [1, 3]
+    assert [len({groups[i] for i in part}) for part in split_heldout(6, 1.0, seed=0, groups=groups)] == [1, 2]
+    assert split_heldout(1, 1.0, seed=0) == ([0], [])
+    assert split_heldout(0, 0.5, seed=0) == ([], [])
