@@ -9,8 +9,9 @@ import torch
 from transformers import AutoTokenizer
 
 from comlrl.rollout.generation import Generation
-from comlrl.rollout.preferences import (generation_rows, joint_input_sections, joint_input_text, load_pairs,
-                                        pair_generation, pairs_dataset, save_pairs, split_heldout)
+from comlrl.rollout.preferences import (PAIR_COLUMNS, CandidatePair, generation_rows, joint_input_sections,
+                                        joint_input_text, load_pairs, ordered_pairs, pair_generation, pairs_dataset,
+                                        pool, save_pairs, select_pairs, split_heldout)
 
 
 def test_generation_rows_takes_the_rows_in_the_order_given():
@@ -64,10 +65,11 @@ def test_a_pair_of_empty_completions_is_one_masked_pad_column_and_prompts_keep_t
                         max_prompt_length=2, prompt_overflow="error")
 
 
-def test_a_tokenizer_without_a_pad_id_pads_stored_completions_with_zero(tokenizer):
-    class NoPad:
-        """The tokenizer as a stored pair sees it, but without a pad id."""
-        pad_token_id = None
+@pytest.mark.parametrize("pad_id, padded_with", [(None, 0), (3, 3)])
+def test_stored_completions_are_padded_with_the_pad_id_or_zero_without_one(tokenizer, pad_id, padded_with):
+    class WithPad:
+        """The tokenizer as a stored pair sees it, with another pad id (or none)."""
+        pad_token_id = pad_id
 
         def __call__(self, *args, **kwargs):
             return tokenizer(*args, **kwargs)
@@ -75,8 +77,8 @@ def test_a_tokenizer_without_a_pad_id_pads_stored_completions_with_zero(tokenize
         def decode(self, *args, **kwargs):
             return tokenizer.decode(*args, **kwargs)
 
-    generation = pair_generation(NoPad(), ["the cat"], [[5, 6]], [[7]], torch.device("cpu"))
-    assert generation.completion_ids.tolist() == [[5, 6], [7, 0]]
+    generation = pair_generation(WithPad(), ["the cat"], [[5, 6]], [[7]], torch.device("cpu"))
+    assert generation.completion_ids.tolist() == [[5, 6], [7, padded_with]]
     assert generation.completion_mask.tolist() == [[1, 1], [1, 0]]
 
 
@@ -119,3 +121,32 @@ def test_the_heldout_split_holds_out_whole_prompts_and_leaves_one_to_train_on():
     assert [len({groups[i] for i in part}) for part in split_heldout(6, 1.0, seed=0, groups=groups)] == [1, 2]
     assert split_heldout(1, 1.0, seed=0) == ([0], [])
     assert split_heldout(0, 0.5, seed=0) == ([], [])
+
+
+def test_pair_selection_orders_and_refusals():
+    pairs = ordered_pairs([0.0, 3.0, 1.0, 2.5], sides=[0, 1, 0, 1])  # the policy's 0 and 2 against comparator 1, 3
+    assert [(p.chosen, p.rejected) for p in pairs] == [(1, 0), (1, 2), (3, 0), (3, 2)]  # across sides only
+    # reward_gap (the default): widest margin first
+    assert [(p.chosen, p.rejected) for p in select_pairs(pairs)] == [(1, 0), (3, 0), (1, 2), (3, 2)]
+    # comparator_reward: the pairs of the best comparator candidate first (1 scored 3.0, then 3 scored 2.5),
+    # each comparator's pairs by margin
+    assert [(p.chosen, p.rejected) for p in select_pairs(pairs, "comparator_reward", rewards=[0.0, 3.0, 1.0, 2.5],
+                                                         sides=[0, 1, 0, 1])] == [(1, 0), (1, 2), (3, 0), (3, 2)]
+    assert select_pairs(pairs, max_pairs=1) == [CandidatePair(1, 0, 3.0)]
+    with pytest.raises(ValueError, match=r"pair selection must be one of \['reward_gap', 'random', 'all', "
+                                         r"'comparator_reward'\], got 'widest'"):
+        select_pairs(pairs, "widest")
+    with pytest.raises(ValueError, match="pair selection 'comparator_reward' needs the candidates' rewards"):
+        select_pairs(pairs, "comparator_reward")
+    with pytest.raises(ValueError, match="3 side labels for 4 candidates"):
+        ordered_pairs([0.0, 1.0, 2.0, 3.0], sides=[0, 1, 0])
+
+
+def test_no_pairs_are_an_empty_dataset_with_the_pair_columns():
+    empty = pairs_dataset([])
+    assert len(empty) == 0 and tuple(empty.column_names) == PAIR_COLUMNS
+    pooled = pool([empty, pairs_dataset([])])
+    assert len(pooled) == 0 and tuple(pooled.column_names) == PAIR_COLUMNS
+    record = {column: None for column in PAIR_COLUMNS} | {"iteration": 2, "row_index": 1, "prompt": "p"}
+    first, second = pairs_dataset([record]), pairs_dataset([record | {"iteration": 3}])
+    assert pool([first, empty, second])["iteration"] == [2, 3]  # the non-empty ones, in order

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from comlrl.models.reward_model import JointRewardModel
 from comlrl.rollout import preferences
-from comlrl.training.reward_fit import RewardFitResult, fit_reward_model, preference_accuracy
+from comlrl.training.reward_fit import RewardFitResult, fit_reward_model, patience_spent, preference_accuracy
 from test_preference import marker_pairs
 
 
@@ -145,3 +145,33 @@ def test_the_fits_pair_order_comes_from_its_seed_alone(tiny_llama):
         runs.append(fit_reward_model(model, pairs, list(range(8)), [], epochs=2, batch_size=3, learning_rate=1e-2,
                                      seed=5).losses)
     assert runs[0] == runs[1]
+
+
+def test_an_epochs_loss_is_the_mean_of_its_batches(model):
+    pairs = marker_pairs(6)
+    with torch.no_grad():
+        model.value_head.layers[-1].weight.normal_(0.0, 0.5)
+        expected = float(bradley_terry(model, pairs, range(6)))
+    # A rate so small that no batch moves the weights: every batch's loss is the initial model's, so the epoch's
+    # mean over its three batches is the mean over all pairs, whatever their order.
+    result = fit_reward_model(model, pairs, list(range(6)), [], epochs=1, batch_size=2, learning_rate=1e-12, seed=0)
+    assert result.losses == pytest.approx([expected], rel=1e-4)
+
+
+def test_without_patience_the_heldout_pairs_are_scored_once_and_the_last_epoch_is_kept(model):
+    pairs = marker_pairs(8)
+    result = fit_reward_model(model, pairs, [0, 1, 2, 3, 4, 5], [6, 7], epochs=2, batch_size=3, learning_rate=1e-2,
+                              seed=0)
+    assert result.heldout_curve == [] and result.best_epoch == 1 and len(result.losses) == 2
+    assert result.heldout_accuracy == preference_accuracy(model, pairs, [6, 7], 2)
+
+
+@pytest.mark.parametrize("epoch, best, patience, spent", [
+    (4, 1, 3, True),    # three epochs after the best one without improving on it
+    (3, 1, 3, False),   # two
+    (2, 0, 2, True),
+    (5, 5, 1, False),   # the best epoch itself
+    (7, 2, 6, False),
+])
+def test_patience_is_counted_from_the_best_epoch(epoch, best, patience, spent):
+    assert patience_spent(epoch, best, patience) is spent

@@ -45,6 +45,12 @@ class RewardFitResult:
         return metrics
 
 
+def patience_spent(epoch: int, best_epoch: int, patience: int) -> bool:
+    """Early stopping's rule: ``patience`` epochs in a row after the best one (``epoch - best_epoch``) have not
+    improved on it."""
+    return epoch - best_epoch >= patience
+
+
 def _pair_batch(model: JointRewardModel, pairs: Dataset, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The chosen then the rejected joint responses of the pairs ``indices``, encoded."""
     rows = pairs.select(indices)
@@ -127,7 +133,7 @@ def fit_reward_model(
         heldout_curve.append(accuracy)
         if best is None or accuracy > best[0]:
             best = (accuracy, epoch, {k: v.detach().clone() for k, v in model.state_dict().items()})
-        elif epoch - best[1] >= patience:
+        elif patience_spent(epoch, best[1], patience):
             break
     if best is not None:
         model.load_state_dict(best[2])
