@@ -10,11 +10,8 @@ link and a doctest example as code). Screenshots of both pages are saved under t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import http.server
-import os
-import shutil
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -25,13 +22,7 @@ from test_docs_site import ROOT, mkdocs_build
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver") or next(
-    (path for path in ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver") if os.path.exists(path)), None)
-if CHROMIUM is None or CHROMEDRIVER is None:
-    pytest.skip("no browser: the docs browser test needs Debian's Chromium and its driver (apt-get install chromium "
-                "chromium-driver; bash infra/bootstrap.sh test installs them as root)", allow_module_level=True)
-webdriver = pytest.importorskip("selenium.webdriver", reason="the browser tests need selenium: pip install -e '.[browser]'")
+from browser import headless_chromium, kept_screenshots  # skips this module without a browser
 from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
@@ -65,26 +56,14 @@ def site_url(tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser():
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                     "--window-size=1280,1000", "--hide-scrollbars"):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
-    try:
+    with headless_chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture(scope="module")
 def screenshots(tmp_path_factory) -> Iterator[Path]:
-    directory = tmp_path_factory.mktemp("screenshots")
-    yield directory
-    if target := os.environ.get("COMLRL_DOCS_SCREENSHOTS"):
-        Path(target).mkdir(parents=True, exist_ok=True)
-        for image in directory.glob("*.png"):
-            shutil.copy(image, Path(target) / image.name)
+    with kept_screenshots(tmp_path_factory.mktemp("screenshots"), "COMLRL_DOCS_SCREENSHOTS") as directory:
+        yield directory
 
 
 def wait_until(driver, condition, what: str):

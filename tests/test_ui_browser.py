@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -37,13 +36,7 @@ from test_servers import ROOT, free_port, get_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver") or next(
-    (path for path in ("/usr/bin/chromedriver", "/usr/lib/chromium/chromedriver") if os.path.exists(path)), None)
-if CHROMIUM is None or CHROMEDRIVER is None:
-    pytest.skip("no browser: the UI tests need Debian's Chromium and its driver (apt-get install chromium "
-                "chromium-driver; bash infra/bootstrap.sh test installs them as root)", allow_module_level=True)
-webdriver = pytest.importorskip("selenium.webdriver", reason="the UI tests need selenium: pip install -e '.[browser]'")
+from browser import headless_chromium, kept_screenshots  # skips this module without a browser
 from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -142,25 +135,14 @@ def uis(finished_run, tmp_path_factory) -> Iterator[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def browser():
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                     "--window-size=1280,1000", "--hide-scrollbars"):
-        options.add_argument(argument)
-    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
-    try:
+    with headless_chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture(scope="module")
 def screenshots(tmp_path_factory) -> Iterator[Path]:
-    directory = tmp_path_factory.mktemp("screenshots")
-    yield directory
-    if target := os.environ.get("COMLRL_UI_SCREENSHOTS"):
-        for image in directory.glob("*.png"):
-            shutil.copy(image, Path(target) / image.name)
+    with kept_screenshots(tmp_path_factory.mktemp("screenshots"), "COMLRL_UI_SCREENSHOTS") as directory:
+        yield directory
 
 
 # ----- waiting on single-page apps ------------------------------------------------------------------
