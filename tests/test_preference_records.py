@@ -136,7 +136,7 @@ def test_pair_selection_orders_and_refusals():
     with pytest.raises(ValueError, match=r"pair selection must be one of \['reward_gap', 'random', 'all', "
                                          r"'comparator_reward'\], got 'widest'"):
         select_pairs(pairs, "widest")
-    with pytest.raises(ValueError, match="pair selection 'comparator_reward' needs the candidates' rewards"):
+    with pytest.raises(ValueError, match="^pair selection 'comparator_reward' needs the candidates' rewards$"):
         select_pairs(pairs, "comparator_reward")
     with pytest.raises(ValueError, match="3 side labels for 4 candidates"):
         ordered_pairs([0.0, 1.0, 2.0, 3.0], sides=[0, 1, 0])
