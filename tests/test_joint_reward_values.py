@@ -188,3 +188,14 @@ def test_the_rows_and_metrics_a_reward_function_reports():
     metrics = reward.drain_monitor_metrics()
     assert metrics == {"coding/passed": 1.0, "7": 0.5}
     assert all(type(value) is float for value in metrics.values())
+
+
+def test_a_one_sample_functions_bad_answer_is_named_with_the_function():
+    answers = iter([0.5, 1.0, "high"])  # the batch call, then one sample at a time
+
+    def judge_one(a, b):
+        return next(answers)
+
+    with pytest.raises(ValueError) as error:
+        JointReward(judge_one, num_agents=2)([["x", "y"], ["x", "y"]], [{}, {}])
+    assert "judge_one returned a str ('high')" in str(error.value)
