@@ -92,8 +92,9 @@ class ReferenceTerms:
     def mean_kl(self, agent: int | None = None) -> float:
         """The mean completion KL of one agent, or of all agents' completions."""
         agents = range(len(self.kl)) if agent is None else [agent]
-        values = torch.cat([turn.float().reshape(-1).cpu() for a in agents for turn in self.kl[a]])
-        return float(values.mean()) if values.numel() else 0.0
+        parts = [turn.float().reshape(-1).cpu() for a in agents for turn in self.kl[a]]
+        values = torch.cat(parts) if parts else torch.empty(0)
+        return float(values.mean()) if values.numel() else 0.0  # no completions: no divergence measured
 
 
 def reference_terms(agents: Sequence[PreTrainedModel], references: Sequence[ReferencePolicy],
