@@ -39,6 +39,7 @@ def test_a_copy_is_the_agents_weights_now_frozen(tiny_llama):
     agent = AutoModelForCausalLM.from_pretrained(tiny_llama)
     reference = ReferencePolicy.for_agent(agent)
     assert reference.kind == "copy" and not reference.shares_agent and reference.model is not agent
+    assert ReferencePolicy(agent).kind == "copy"  # built directly: a model of its own, not sharing the agent
     assert not reference.model.training and not any(p.requires_grad for p in reference.model.parameters())
     with torch.no_grad():
         for parameter in agent.parameters():
