@@ -197,3 +197,50 @@ def test_the_reward_curve_after_a_resume_plots_what_mlflow_holds(resumed, pipeli
     assert plotted["evaluations"] == history("eval/reward_mean")
     train = [(row["step"], row["reward_mean"]) for row in plotted["history"] if "reward_mean" in row]
     assert train == history("reward_mean") and len(train) == 3 * STEPS_PER_EPOCH
+
+
+def newest_table(run_id: str) -> list[dict]:
+    """The rows of the newest version of the run's boundaries table on the Prefect server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from flows.artifacts import artifact_key
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+            any_=[artifact_key(run_id, "boundaries")])), sort=ArtifactSort.CREATED_DESC, limit=1)
+    data = found[0].data
+    return json.loads(data) if isinstance(data, str) else data
+
+
+@pytest.mark.slow
+@pytest.mark.e2e  # a failing and a resumed pipeline run in process, ~100 s: the end-to-end tier
+def test_a_stop_between_the_last_checkpoint_and_its_table_leaves_the_table_whole_after_resume(pipeline):
+    """Found by tests/test_stopped_anywhere.py (a SIGKILL just after the last checkpoint): the process ends after
+    the last boundary's checkpoint, before its row reaches the table or boundaries.jsonl; the resume has no
+    boundary left to run, and still publishes the whole table."""
+    from flows import artifacts, training
+    from flows.training import train_flow
+
+    last = SPEC["config"]["num_train_epochs"]
+    publish, append = artifacts.publish_table, training.append_boundary_record
+
+    def publish_but_the_last(run_id, rows):
+        if len(rows) < last:
+            publish(run_id, rows)
+
+    def die_at_the_last(run, record):
+        if record["number"] == last:
+            raise RuntimeError("the process ended here")
+        append(run, record)
+
+    arguments = dict(spec_path=str(pipeline["root"] / "spec.yaml"), run_id="table-run",
+                     workdir=str(pipeline["workdir"]), root=str(pipeline["root"]), tracking_uri=pipeline["tracking_uri"])
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(artifacts, "publish_table", publish_but_the_last)
+        monkeypatch.setattr(training, "append_boundary_record", die_at_the_last)
+        assert train_flow(**arguments, return_state=True).is_failed()
+    assert [row["boundary"] for row in newest_table("table-run")] == ["epoch 1", "epoch 2"]
+    assert train_flow(**arguments, return_state=True).is_completed()
+    assert [row["boundary"] for row in newest_table("table-run")] == ["epoch 1", "epoch 2", "epoch 3"]
