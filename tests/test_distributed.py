@@ -58,12 +58,18 @@ def launch_worker(model_dir: str, out, *arguments: str, env: dict[str, str] | No
     """tests/distributed_worker.py in 2 gloo processes under torchrun, reading ``out/prompts.json``."""
     environment = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1",
                    "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), str(ROOT / "tests" / "distributed_worker.py"),
-        model_dir, str(out / "prompts.json"), str(out), *arguments,
-    ]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
+    for attempt in (1, 2):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+            "--master_port", str(free_port()), str(ROOT / "tests" / "distributed_worker.py"),
+            model_dir, str(out / "prompts.json"), str(out), *arguments,
+        ]
+        result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
+        # A worker aborted by the C++ runtime (std::terminate in torch's gloo threads; seen once in about ten
+        # runs of the FSDP worker on a loaded 2-core machine, 2026-12-05) is launched once more: every result the
+        # tests compare comes from the launch that succeeded. Any other failure fails at once.
+        if result.returncode == 0 or attempt == 2 or "terminate called without an active exception" not in result.stderr:
+            break
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
