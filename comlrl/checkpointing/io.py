@@ -14,7 +14,8 @@ Layout of ``checkpoint-N`` (N = completed boundaries)::
 
 The save, step by step (``<pid>`` is the writing process):
 
-1. assemble the files in ``.checkpoint-N.tmp-<pid>-*``, then seal it (``manifest.json``, then ``COMPLETE``);
+1. assemble the files in ``.checkpoint-N.tmp-<pid>-*``, seal it (``manifest.json``, then ``COMPLETE``) and fsync
+   every file and folder in it;
 2. if ``checkpoint-N`` exists (a boundary saved again): rename it to ``.checkpoint-N.old-<pid>``;
 3. rename the staging directory to ``checkpoint-N``;
 4. delete ``.checkpoint-N.old-<pid>``.
@@ -159,9 +160,12 @@ def load_pt(file: Path) -> Any:
 
 
 def _load_error_detail(error: Exception) -> str:
-    """The line of a ``torch.load`` error that says what is wrong (not its boilerplate about weights_only)."""
-    boilerplate = ("Weights only load failed", "Please file an issue", "Check the documentation")
-    lines = [line.strip() for line in str(error).splitlines() if line.strip() and not line.startswith(boilerplate)]
+    """The line of a ``torch.load`` error that says what is wrong (not its boilerplate about weights_only,
+    whose numbered options suggest loading the file with ``weights_only=False``)."""
+    boilerplate = ("In PyTorch 2.6", "This file can still be loaded", "Please file an issue", "Check the documentation",
+                   "(1) ", "(2) ")
+    lines = [line.strip().removeprefix("Weights only load failed.").strip() for line in str(error).splitlines()]
+    lines = [line for line in lines if line and not line.startswith(boilerplate)]
     return f"{type(error).__name__}: {(lines[0] if lines else str(error))[:200]}"
 
 
@@ -182,6 +186,7 @@ def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
 
 # ----- writing ------------------------------------------------------------------------------------
 def fsync_dir(path: Path) -> None:
+    """``path`` (a directory, or a file) on disk; nothing when it cannot be opened."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -190,6 +195,13 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """Every file and folder under ``directory``, and ``directory`` itself, on disk: a power loss after the
+    rename into place must not leave a checkpoint whose names survived but whose bytes did not."""
+    for path in sorted(directory.rglob("*"), reverse=True) + [directory]:
+        fsync_dir(path)
 
 
 def save_state(state: dict[str, torch.Tensor], file: str) -> None:
@@ -240,7 +252,7 @@ def write_checkpoint(
         (staging / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True))
         current = "manifest.json and COMPLETE"
         manifest.seal(staging)
-        fsync_dir(staging)
+        fsync_tree(staging)
         current = "the directory (rename into place)"
         install(staging, final)
         fsync_dir(root)

@@ -1,0 +1,139 @@
+"""What the trainer hook (comlrl/checkpointing/runner.py) records of a model, how it words a checkpoint that
+does not fit or a state that does not load, what a resume takes from the checkpoint's record of tracker runs,
+and where a stopped run says it can resume: checked on real modules and real runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+
+from comlrl.checkpointing import list_checkpoints
+from comlrl.checkpointing.manifest import seal
+from comlrl.checkpointing.runner import _describe_shape_difference, model_fingerprint, same_model
+from comlrl.errors import CheckpointError, TrainingInterrupted
+from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+from test_checkpoint_lineage import StopAfter
+
+
+class Head(torch.nn.Module):
+    def __init__(self, width: int = 3, dtype: torch.dtype = torch.float32, scale: torch.dtype = torch.float16):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, 2, dtype=dtype)
+        self.register_buffer("scale", torch.ones(2, dtype=scale))
+
+
+def test_a_fingerprint_is_the_class_and_every_tensors_shape_and_dtype():
+    assert model_fingerprint(Head()) == {
+        "class": "Head", "num_tensors": 3,
+        "shapes": {"proj.weight": [2, 3], "proj.bias": [2], "scale": [2]},
+        "dtypes": {"proj.weight": "float32", "proj.bias": "float32", "scale": "float16"},
+    }
+
+
+def test_the_same_model_fits_and_an_older_fingerprint_without_dtypes_is_compared_without_them():
+    saved = model_fingerprint(Head())
+    assert same_model(saved, model_fingerprint(Head()))
+    assert not same_model(saved, model_fingerprint(Head(width=4)))
+    assert not same_model(saved, model_fingerprint(Head(dtype=torch.bfloat16)))
+    older = {key: value for key, value in saved.items() if key != "dtypes"}
+    assert same_model(older, model_fingerprint(Head(dtype=torch.bfloat16)))
+    assert not same_model(older, model_fingerprint(Head(width=4)))
+
+
+def test_a_model_that_does_not_fit_is_described_by_its_first_difference():
+    saved = model_fingerprint(Head())
+    other = dict(model_fingerprint(torch.nn.Linear(3, 2)), shapes={})
+    assert _describe_shape_difference(saved, other) == "architecture Linear here but Head in the checkpoint"
+    assert _describe_shape_difference(saved, model_fingerprint(Head(width=4))) == (
+        "tensor 'proj.weight' has shape [2, 4] here but [2, 3] in the checkpoint")
+    fewer = dict(saved, shapes={"proj.bias": [2], "scale": [2]})  # a tensor only the checkpoint has
+    assert _describe_shape_difference(saved, fewer) == (
+        "tensor 'proj.weight' has shape None here but [2, 3] in the checkpoint")
+    assert _describe_shape_difference(fewer, saved) == (
+        "tensor 'proj.weight' has shape [2, 3] here but None in the checkpoint")
+    assert _describe_shape_difference(saved, model_fingerprint(Head(dtype=torch.bfloat16))) == (
+        "tensor 'proj.bias' is bfloat16 here but float32 in the checkpoint (load the models in the dtype the run "
+        "was trained in)")
+    assert _describe_shape_difference(saved, model_fingerprint(Head(scale=torch.float32))) == (
+        "tensor 'scale' is float32 here but float16 in the checkpoint (load the models in the dtype the run was "
+        "trained in)")  # the first tensor whose dtype differs, not the first tensor
+    assert _describe_shape_difference(saved, model_fingerprint(Head())) == "weights differ"
+    undtyped = {key: value for key, value in saved.items() if key != "dtypes"}
+    assert _describe_shape_difference(saved, undtyped) == (
+        "tensor 'proj.bias' is None here but float32 in the checkpoint (load the models in the dtype the run was "
+        "trained in)")
+    assert _describe_shape_difference(undtyped, model_fingerprint(Head())) == "weights differ"
+
+
+# ----- where a stopped run can resume -------------------------------------------------------------------
+def build(model_dir: str, callbacks=()) -> MAGRPOTrainer:
+    dataset = Dataset.from_dict({"prompt": ["a b", "c d"]})
+    return MAGRPOTrainer(agent_model=model_dir, num_agents=2, train_dataset=dataset,
+                         reward_func=lambda a, b: [float(len(x)) for x in a], callbacks=list(callbacks),
+                         args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=3,
+                                           per_device_train_batch_size=1, seed=5, disable_tqdm=True))
+
+
+def test_a_stop_between_boundaries_names_the_checkpoint_it_wrote(tiny_llama, tmp_path):
+    with pytest.raises(TrainingInterrupted) as stopped:
+        build(tiny_llama, [StopAfter(3)]).train(checkpoint_dir=tmp_path)
+    assert stopped.value.checkpoint == str(tmp_path / "checkpoint-1-step3")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-1-step3"]
+    with pytest.raises(TrainingInterrupted) as stopped:  # without a checkpoint directory: nowhere to resume
+        build(tiny_llama, [StopAfter(3)]).train()
+    assert stopped.value.checkpoint is None
+
+
+def test_a_state_that_load_state_dict_refuses_is_named_with_its_file_and_cause(tiny_llama, tmp_path):
+    """An RNG state of the right kind but the wrong size passes the structural checks; torch refuses it, and the
+    refusal names the checkpoint, state.pt and torch's words."""
+    first = build(tiny_llama)
+    first.args.num_train_epochs = 1
+    first.train(checkpoint_dir=tmp_path)
+    checkpoint = tmp_path / "checkpoint-1"
+    state = torch.load(checkpoint / "state.pt", weights_only=True)
+    state["rng"]["torch"] = state["rng"]["torch"][:10]
+    torch.save(state, checkpoint / "state.pt")
+    seal(checkpoint)
+    with pytest.raises(CheckpointError) as error:
+        build(tiny_llama).train(checkpoint_dir=tmp_path, resume_from_checkpoint=checkpoint)
+    assert (error.value.checkpoint, error.value.file) == (str(checkpoint), "state.pt")
+    assert error.value.problem.startswith("MAGRPOTrainer.load_state_dict refused it: RuntimeError: Expected a "
+                                          "CPUGeneratorImplState of size "), error.value.problem
+    assert error.value.problem.endswith("but found the input RNG state size to be 10"), error.value.problem
+
+
+def test_a_resume_takes_the_tracking_runs_the_checkpoint_records(tiny_llama, tmp_path):
+    """The checkpoint's record of each tracker run, absent or not, replaces what this process had."""
+    first = build(tiny_llama)
+    first.args.num_train_epochs = 1
+    first.run_identity["wandb"] = {"id": "abc123", "project": "demo"}
+    first.train(checkpoint_dir=tmp_path)
+
+    resumed = build(tiny_llama)
+    resumed.run_identity.update(wandb={"id": "zzz999", "project": "demo"}, mlflow={"run_id": "r1"})
+    resumed.train(checkpoint_dir=tmp_path, resume_from_checkpoint="latest")
+    assert resumed.run_identity["wandb"] == {"id": "abc123", "project": "demo"}
+    assert resumed.run_identity["mlflow"] is None
+
+
+def test_a_checkpoint_of_other_models_cannot_be_resumed_here(tiny_llama, tmp_path):
+    first = build(tiny_llama)
+    first.args.num_train_epochs = 1
+    first.train(checkpoint_dir=tmp_path)
+    checkpoint = tmp_path / "checkpoint-1"
+    metadata = json.loads((checkpoint / "metadata.json").read_text())
+    metadata["models"]["critic"] = metadata["models"]["agent_0"]  # and its weights: a whole third model
+    weights = (checkpoint / "models" / "agent_0.safetensors").read_bytes()
+    (checkpoint / "models" / "critic.safetensors").write_bytes(weights)
+    (checkpoint / "metadata.json").write_text(json.dumps(metadata, indent=2, sort_keys=True))
+    seal(checkpoint)
+    with pytest.raises(CheckpointError) as error:
+        build(tiny_llama).train(checkpoint_dir=tmp_path, resume_from_checkpoint=checkpoint)
+    assert (error.value.checkpoint, error.value.file) == (str(checkpoint), None)
+    assert error.value.problem == ("cannot be resumed here: models ['agent_0', 'agent_1'] here but ['agent_0', "
+                                   "'agent_1', 'critic'] in the checkpoint")
+
