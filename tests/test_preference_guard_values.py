@@ -17,10 +17,10 @@ from datasets import Dataset
 
 from comlrl.callbacks import TrainerCallback
 from comlrl.errors import TrainingInterrupted
-from comlrl.tasks.letters import letters_reward
 from comlrl.training.metrics import MetricWindow
-from comlrl.trainers.preference import MADPOIterConfig, MADPOIterTrainer, MARLHFConfig, MARLHFTrainer
+from comlrl.trainers.preference import MADPOIterTrainer, MARLHFConfig, MARLHFTrainer
 from comlrl.trainers.preference.guard import PolicySnapshot, guard_rows, pairwise_agreement, revert_warning
+from test_iterative import PROMPTS, StopAt, build
 
 FAST = dict(num_generations=4, max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=None, reward_model_device=None,
             disable_tqdm=True, per_device_train_batch_size=2, reward_train_epochs=2, reward_learning_rate=1e-4)
@@ -321,25 +321,9 @@ def test_the_revert_warning_in_its_words():
 
 
 # ----- the history comparator across a resume ----------------------------------------------------
-PROMPTS = ["write about the cat", "write about the sun", "write about the tree", "write about the road"]
-
-
 def madpo_iter(model: str, output_dir, **options) -> MADPOIterTrainer:
-    return MADPOIterTrainer(
-        agent_model=model, reward_func=letters_reward, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        args=MADPOIterConfig(**{**dict(num_agents=2, num_generations=3, max_new_tokens=5, temperature=1.0, top_p=1.0,
-                                       top_k=None, num_iterations=3, pair_selection="reward_gap",
-                                       agent_learning_rate=1e-2, dpo_batch_size=4, disable_tqdm=True, seed=3,
-                                       max_pairs_per_prompt=2, output_dir=str(output_dir)), **options}))
-
-
-class StopAtDPOStep(TrainerCallback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_log(self, trainer, metrics, step):
-        if step == self.step and "dpo/loss" in metrics:
-            os.kill(os.getpid(), signal.SIGTERM)
+    """tests/test_iterative.py's tiny MADPOIter run, three iterations, writing into ``output_dir``."""
+    return build(model, **{"num_iterations": 3, "output_dir": str(output_dir), **options})
 
 
 def test_the_history_comparator_keeps_its_snapshots_across_a_resume(tiny_llama, tmp_path):
@@ -350,7 +334,7 @@ def test_the_history_comparator_keeps_its_snapshots_across_a_resume(tiny_llama, 
     straight.train()
     first_iteration_steps = len([s for s in straight.state.history if s["iteration"] == 0])
     interrupted = madpo_iter(tiny_llama, tmp_path / "stopped", **history)
-    interrupted.callbacks.append(StopAtDPOStep(first_iteration_steps + 1))
+    interrupted.callbacks.append(StopAt(first_iteration_steps + 1))
     with pytest.raises(TrainingInterrupted) as info:
         interrupted.train(checkpoint_dir=tmp_path / "checkpoints", checkpoint_interval=1)
     assert interrupted.state.iteration == 1
