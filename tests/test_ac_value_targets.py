@@ -25,6 +25,7 @@ from datasets import Dataset
 
 from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 from comlrl.trainers.actor_critic.base import Estimates, finish_advantages
+from comlrl.training.metrics import MetricWindow
 from comlrl.training.reference import ReferenceTerms
 
 RTOL = 1e-4
@@ -44,9 +45,11 @@ def stop_reward(completions_0, completions_1, batch_items):
 def build(kind: str, model: str, **options):
     settings = dict(num_agents=2, max_new_tokens=4, temperature=0.8, top_p=1.0, top_k=None, max_grad_norm=None,
                     per_device_train_batch_size=4, num_train_epochs=1, disable_tqdm=True, seed=5)
+    model_config = options.pop("model_config", None)
     settings.update(options)
     data = Dataset.from_dict({"prompt": PROMPTS})
-    common = dict(agent_model=model, num_agents=2, reward_func=stop_reward, train_dataset=data)
+    common = dict(agent_model=model, num_agents=2, reward_func=stop_reward, train_dataset=data,
+                  model_config=model_config)
     if settings.get("num_turns", 1) > 1:
         common["external_transition"] = go_on
     if kind == "maac":
@@ -517,3 +520,119 @@ def test_a_turn_without_targets_adds_no_critic_loss_and_the_next_turn_still_coun
     with torch.no_grad():
         values = head_by_hand(head, last_hidden(critic, ids.flip(1), mask.flip(1)))
     assert losses == [pytest.approx(float(((values - returns[:, 1]) ** 2).mean()) / 2, rel=1e-5)]
+
+
+def test_a_shared_heads_step_is_clipped_over_the_actor_and_its_head_on_the_planned_schedule(tiny_llama):
+    """IAC with the value heads on the actors: each actor's one optimizer clips the gradient of the actor and its
+    head together (the applied gradient's norm over both is max_grad_norm), and its linear schedule is planned
+    with one pass per batch: 4 prompts in batches of 2 is 2 steps, so the rates used are lr, then lr / 2."""
+    lr, clip = 1e-3, 1e-4
+    trainer = build("iac_shared", tiny_llama, num_generations=2, per_device_train_batch_size=2, max_grad_norm=clip,
+                    lr_scheduler_type="linear", agent_learning_rate=lr, value_head_learning_rate=lr)
+    randomise_heads(trainer, seed=6)
+    used: dict[str, list[tuple[float, float]]] = {}
+    for name, component in trainer.model_optimizers.items():
+        log = used.setdefault(name, [])
+        component.optimizer.register_step_pre_hook(lambda opt, args, kwargs, log=log: log.append((
+            opt.param_groups[0]["lr"],
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for g in opt.param_groups
+                                                        for p in g["params"] if p.grad is not None]))))))
+    trainer.train()
+    assert set(used) == {"agent_0", "agent_1"}
+    for name, steps in used.items():
+        assert [rate for rate, _ in steps] == pytest.approx([lr, lr / 2]), name
+        for _, norm in steps:  # every step's gradient was larger than the clip (checked: its reported norm)
+            assert norm == pytest.approx(clip, rel=1e-3), name
+    reported = [row["agent_0/grad_norm"] for row in trainer.state.history]
+    assert len(reported) == 2 and all(value > clip for value in reported)
+
+
+@pytest.mark.parametrize("kind", ["maac", "iac_shared"])
+def test_each_optimizer_is_named_by_its_model_in_its_refusals(tiny_llama, kind):
+    trainer = build(kind, tiny_llama, num_generations=2)
+    trainer.train()  # one step of 4 prompts
+    expected = {"agent_0", "agent_1"} | ({"critic"} if kind == "maac" else set())
+    assert set(trainer.model_optimizers) == expected
+    for name, component in trainer.model_optimizers.items():
+        with pytest.raises(RuntimeError) as refused:
+            component.replan(10)
+        assert str(refused.value) == f"{name}: the schedule cannot be re-planned after 1 steps"
+
+
+# ----- construction as a user meets it ------------------------------------------------------------------------
+@pytest.mark.parametrize("trainer_class, config_class", [(IACTrainer, IACConfig), (MAACTrainer, MAACConfig)])
+def test_construction_names_the_trainer_and_its_config_in_its_refusals(tiny_llama, trainer_class, config_class):
+    data = Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.raises(ValueError) as no_reward:
+        trainer_class(agent_model=tiny_llama, critic_model=tiny_llama, reward_func=None, train_dataset=data)
+    assert str(no_reward.value) == (f"reward_func must be a callable: {trainer_class.__name__} needs reward_func (a "
+                                    "callable or a list of callables), got None")
+    with pytest.raises(ValueError) as disagree:
+        trainer_class(agent_model=tiny_llama, critic_model=tiny_llama, num_agents=3, reward_func=stop_reward,
+                      train_dataset=data, args=config_class(num_agents=2))
+    assert str(disagree.value) == (
+        f"num_agents must match args.num_agents: num_agents=3 (constructor) disagrees with {config_class.__name__}"
+        ".num_agents=2; set both to the same value (the config alone never overrides the constructor argument)")
+
+
+@pytest.mark.parametrize("trainer_class, config_class, critics", [(IACTrainer, IACConfig, 2),
+                                                                   (MAACTrainer, MAACConfig, 1)])
+def test_a_trainer_without_args_takes_its_configs_defaults_and_names_its_critics(tiny_llama, trainer_class,
+                                                                                 config_class, critics):
+    trainer = trainer_class(agent_model=tiny_llama, critic_model=tiny_llama, reward_func=stop_reward,
+                            train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    assert type(trainer.args) is config_class and trainer.args.num_agents == 2 == len(trainer.agents)
+    assert trainer.critic_sources == [tiny_llama] * critics and len(trainer.critics) == critics
+
+
+def test_a_critic_device_that_does_not_exist_is_refused_naming_the_field(tiny_llama):
+    with pytest.raises(ValueError) as refused:
+        build("maac", tiny_llama, critic_device="cuda:99")
+    assert str(refused.value).startswith("MAACConfig.critic_device='cuda:99' cannot be used: device 'cuda:99' was "
+                                         "requested but this machine has ")
+
+
+def test_critic_objects_are_trained_in_place_unless_they_are_also_actors(tiny_llama, tiny_llama_b):
+    """IAC given model objects: a critic object that is also an actor becomes a copy (never the actor itself);
+    one that is not is the very object the user passed (trained in place). Critics get gradient checkpointing
+    when asked, like the actors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    actors = [AutoModelForCausalLM.from_pretrained(tiny_llama) for _ in range(2)]
+    own_critic = AutoModelForCausalLM.from_pretrained(tiny_llama_b)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    trainer = IACTrainer(agents=actors, critics=[actors[0], own_critic], tokenizer=tokenizer, reward_func=stop_reward,
+                         train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                         args=IACConfig(num_agents=2, max_new_tokens=4, gradient_checkpointing=True, disable_tqdm=True))
+    shared, own = trainer.critics
+    assert shared is not actors[0] and own is own_critic
+    actor_weights = {id(p) for a in trainer.agents for p in a.parameters()}
+    assert not any(id(p) in actor_weights for p in shared.parameters())
+    for name, value in actors[0].state_dict().items():  # the copy starts from the actor's weights
+        assert torch.equal(shared.state_dict()[name], value)
+    assert all(model.is_gradient_checkpointing for model in list(trainer.agents) + list(trainer.critics))
+
+
+def test_a_checkpoint_inside_an_accumulation_window_holds_the_shared_heads_gradient_too(tiny_llama):
+    """IAC with the heads on the actors, two micro-batches per optimizer step: after the first, each actor's
+    component saves the window's gradient of the actor and of its head (a resume adds the second to both)."""
+    trainer = build("iac_shared", tiny_llama, num_generations=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=2)
+    randomise_heads(trainer, seed=2)
+    trainer.take_step(MetricWindow())
+    for index, agent in enumerate(trainer.agents):
+        state = trainer.model_optimizers[f"agent_{index}"].state_dict()
+        assert state["pending"] == 1 and state["steps"] == 0
+        expected = {f"0.{name}": p.grad for name, p in agent.named_parameters()}
+        expected |= {f"1.{name}": p.grad for name, p in agent.value_head.named_parameters()}
+        assert set(state["pending_grads"]) == set(expected)
+        for name, grad in expected.items():
+            assert torch.equal(state["pending_grads"][name], grad), name
+        assert any(bool(state["pending_grads"][name].abs().sum() > 0) for name in expected if name.startswith("1."))
+
+
+@pytest.mark.parametrize("kind", ["maac", "iac_shared"])
+def test_critics_and_heads_load_in_the_model_configs_dtype(tiny_llama, kind):
+    trainer = build(kind, tiny_llama, model_config={"dtype": torch.float64})
+    assert {p.dtype for model in trainer.value_models for p in model.parameters()} == {torch.float64}
+    assert {p.dtype for agent in trainer.agents for p in agent.parameters()} == {torch.float64}
