@@ -389,7 +389,7 @@ def test_a_save_fsyncs_every_file_and_folder_before_the_rename_then_the_rename(t
                      if Path(p) == staging or staging in Path(p).parents}
     written = {p.relative_to(path).as_posix() for p in path.rglob("*")}
     assert before_rename == written | {"."}, (before_rename, written)  # every file and folder, and itself
-    io.fsync_dir(tmp_path / "not-there")  # nothing to sync: no error
+    io.fsync_path(tmp_path / "not-there")  # nothing to sync: no error
 
 
 # ----- a failed save ------------------------------------------------------------------------------------

@@ -190,7 +190,7 @@ class HistoryLog:
             handle.flush()
             os.fsync(handle.fileno())
         if created:
-            io.fsync_dir(self.folder)
+            io.fsync_path(self.folder)
         self.written += copy.deepcopy(new)
         self.size += len(data)
         self.digest.update(data)
@@ -200,7 +200,7 @@ class HistoryLog:
         """A new file of this attempt's: the whole history is written to it."""
         if not self.folder.is_dir():
             self.folder.mkdir(parents=True)
-            io.fsync_dir(self.root)
+            io.fsync_path(self.root)
         name, number = f"{self.attempt}.jsonl", 1
         while (self.folder / name).exists():
             number += 1

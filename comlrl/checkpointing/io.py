@@ -185,7 +185,7 @@ def load_modules(path: Path, modules: dict[str, torch.nn.Module]) -> None:
 
 
 # ----- writing ------------------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """``path`` (a directory, or a file) on disk; nothing when it cannot be opened."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -201,7 +201,7 @@ def fsync_tree(directory: Path) -> None:
     """Every file and folder under ``directory``, and ``directory`` itself, on disk: a power loss after the
     rename into place must not leave a checkpoint whose names survived but whose bytes did not."""
     for path in sorted(directory.rglob("*"), reverse=True) + [directory]:
-        fsync_dir(path)
+        fsync_path(path)
 
 
 def save_state(state: dict[str, torch.Tensor], file: str) -> None:
@@ -255,7 +255,7 @@ def write_checkpoint(
         fsync_tree(staging)
         current = "the directory (rename into place)"
         install(staging, final)
-        fsync_dir(root)
+        fsync_path(root)
     except (OSError, RuntimeError, SafetensorError) as error:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
