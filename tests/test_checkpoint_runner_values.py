@@ -5,6 +5,8 @@ and where a stopped run says it can resume: checked on real modules and real run
 from __future__ import annotations
 
 import json
+import resource
+import signal
 
 import pytest
 import torch
@@ -137,3 +139,85 @@ def test_a_checkpoint_of_other_models_cannot_be_resumed_here(tiny_llama, tmp_pat
     assert error.value.problem == ("cannot be resumed here: models ['agent_0', 'agent_1'] here but ['agent_0', "
                                    "'agent_1', 'critic'] in the checkpoint")
 
+
+
+def test_an_optimizer_state_that_does_not_load_is_named_with_the_checkpoint_and_optimizer(tiny_llama, tmp_path):
+    """A pending gradient for a tensor the model lacks passes the structural checks; the optimizer's refusal
+    names the checkpoint it read (the runner passes its path down) and the optimizer."""
+    first = build(tiny_llama)
+    first.args.num_train_epochs = 1
+    first.train(checkpoint_dir=tmp_path)
+    checkpoint = tmp_path / "checkpoint-1"
+    state = torch.load(checkpoint / "state.pt", weights_only=True)
+    state["optimizers"]["agent_1"]["pending_grads"]["no.such.weight"] = torch.zeros(2)
+    torch.save(state, checkpoint / "state.pt")
+    seal(checkpoint)
+    with pytest.raises(CheckpointError) as error:
+        build(tiny_llama).train(checkpoint_dir=tmp_path, resume_from_checkpoint=checkpoint)
+    assert (error.value.checkpoint, error.value.file) == (str(checkpoint), "state.pt")
+    assert error.value.problem == (f"MAGRPOTrainer.load_state_dict refused it: ValueError: checkpoint "
+                                   f"{str(checkpoint)!r}, optimizer 'agent_1': saved pending gradient for "
+                                   f"'no.such.weight', which the model lacks")
+
+
+def test_a_failure_right_after_a_boundary_names_that_checkpoint_and_writes_no_other(tiny_llama, tmp_path, caplog):
+    """Two rows of batch 1: the reward fails at its third call, the first step of epoch 2. That step is put back,
+    so the state is epoch 1's end, which checkpoint-1 already holds: the run names it and writes nothing new."""
+    calls = []
+
+    def reward(a, b):
+        calls.append(len(a))
+        if len(calls) >= 3:
+            raise ConnectionError("reward service is down")
+        return [float(len(x)) for x in a]
+
+    trainer = MAGRPOTrainer(agent_model=tiny_llama, num_agents=2, train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"]}),
+                            reward_func=reward,
+                            args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=3,
+                                              per_device_train_batch_size=1, seed=5, disable_tqdm=True,
+                                              reward_retries=0))
+    with caplog.at_level("ERROR", logger="comlrl.training.run"), pytest.raises(Exception, match="reward service is down"):
+        trainer.train(checkpoint_dir=tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]
+    assert f"ended the run after step 2; resume from {tmp_path / 'checkpoint-1'}" in caplog.text, caplog.text
+
+
+class StopWithFullDisk(StopAfter):
+    """A SIGTERM after the step, with the process's files limited to 4 KiB: the stop's checkpoint cannot be
+    written (``ulimit -f``), as on a full disk."""
+
+    def on_log(self, trainer, metrics, step):
+        if step == self.step:
+            self.previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, self.previous[1]))
+        super().on_log(trainer, metrics, step)
+
+
+def test_a_stop_whose_checkpoint_cannot_be_written_names_no_checkpoint(tiny_llama, tmp_path):
+    stop = StopWithFullDisk(3)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        with pytest.raises(TrainingInterrupted) as stopped:
+            build(tiny_llama, [stop]).train(checkpoint_dir=tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, stop.previous)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert stopped.value.checkpoint is None
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]  # the boundary's, written before
+
+
+def test_a_checkpoint_past_the_planned_stages_is_refused_with_both_counts(tiny_llama, tmp_path):
+    """An iterative run's checkpoint one stage into its second iteration (iteration 1 of 2 begun) resumed by a
+    run that plans one iteration: the iteration count fits (1 <= 1), the stages do not."""
+    from test_iterative import build as build_iterative
+
+    first = build_iterative(tiny_llama, num_iterations=2, num_train_epochs=1)
+    stages = len(first.STAGES)
+    first.train(checkpoint_dir=tmp_path, checkpoint_interval=1)
+    checkpoint = tmp_path / f"checkpoint-{stages + 1}"
+    with pytest.raises(CheckpointError) as error:
+        build_iterative(tiny_llama, num_iterations=1, num_train_epochs=1).train(
+            checkpoint_dir=tmp_path / "other", resume_from_checkpoint=checkpoint)
+    assert (error.value.checkpoint, error.value.file) == (str(checkpoint), None)
+    assert error.value.problem == (f"cannot be resumed here: it has completed {stages + 1} boundaries (pbrl_stage) "
+                                   f"but this run plans {stages}; the run's length counts the whole run, so raise it")

@@ -99,7 +99,6 @@ class CheckpointRunner:
         self.last_saved: int | None = None
         self.last_path: Path | None = None  # the newest checkpoint written or resumed from
         self.last_position: tuple[int, int] | None = None  # its (boundaries, global step)
-        self.failures = 0
 
     def release(self) -> None:
         """Let other processes write to the checkpoint directory (the run ended, however it ended)."""
@@ -108,13 +107,12 @@ class CheckpointRunner:
 
     def on_main(self, work: Callable[[], Any]) -> None:
         """``work`` in the process that writes checkpoints; the others wait until it is done."""
-        parallel = getattr(self.trainer, "data_parallel", None)
+        parallel = self.trainer.data_parallel
         try:
-            if parallel is None or parallel.is_main:
+            if parallel.is_main:
                 work()
         finally:
-            if parallel is not None:
-                parallel.barrier()
+            parallel.barrier()
 
     def _resolve_resume(self, resume: str | Path | bool | None) -> Path | None:
         if resume in (None, False):
@@ -227,17 +225,16 @@ class CheckpointRunner:
         rank takes part).
         """
         name = name or f"{io.CHECKPOINT_PREFIX}{self.trainer.state.boundaries}"
-        parallel = getattr(self.trainer, "data_parallel", None)
+        parallel = self.trainer.data_parallel
         modules = sharding.gather_weights(self.trainer.checkpoint_modules())
         state = self.trainer.state_dict()
-        if parallel is not None and not parallel.is_main:
+        if not parallel.is_main:
             parallel.barrier()
             self.last_saved = self.trainer.state.boundaries
             return self.checkpoint_dir / name
         try:
             return self._write(name, modules, state)
         except CheckpointWriteError as error:
-            self.failures += 1
             kept = io.list_checkpoints(self.checkpoint_dir)
             error.last_good = str(kept[-1]) if kept else "none"
             if required:
@@ -247,8 +244,7 @@ class CheckpointRunner:
                          "later checkpoint is saved", error)
             return None
         finally:
-            if parallel is not None:
-                parallel.barrier()
+            parallel.barrier()
 
     def _write(self, name: str, modules: dict[str, Any], state: dict[str, Any]) -> Path:
         """Write ``modules`` (as :func:`comlrl.parallel.sharding.gather_weights` returns them), ``state`` and the metadata."""

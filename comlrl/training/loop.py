@@ -11,7 +11,8 @@ then the epoch's end) or a PbRL stage (one call). A trainer built on :class:`Tra
 - ``recover_after_failure()``: whether its state is consistent after an exception ended a step;
 - ``history`` and ``evaluations``: the per-step metrics and the evaluations made so far;
 - what the checkpoint runner reads (:mod:`comlrl.checkpointing.runner`): ``checkpoint_modules()``,
-  ``state_dict()`` / ``load_state_dict()``, ``compat_settings()`` and ``check_resume_progress()``.
+  ``state_dict()`` / ``load_state_dict()``, ``compat_settings()``, ``check_resume_progress()`` and
+  ``data_parallel`` (a :class:`comlrl.parallel.distributed.DataParallel`, one process or several).
 """
 
 from __future__ import annotations
