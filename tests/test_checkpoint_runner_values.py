@@ -15,7 +15,7 @@ from datasets import Dataset
 from comlrl.checkpointing import list_checkpoints
 from comlrl.checkpointing.manifest import seal
 from comlrl.checkpointing.runner import _describe_shape_difference, model_fingerprint, same_model
-from comlrl.errors import CheckpointError, TrainingInterrupted
+from comlrl.errors import CheckpointError, CheckpointWriteError, TrainingInterrupted
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from test_checkpoint_lineage import StopAfter
 
@@ -221,3 +221,34 @@ def test_a_checkpoint_past_the_planned_stages_is_refused_with_both_counts(tiny_l
     assert (error.value.checkpoint, error.value.file) == (str(checkpoint), None)
     assert error.value.problem == (f"cannot be resumed here: it has completed {stages + 1} boundaries (pbrl_stage) "
                                    f"but this run plans {stages}; the run's length counts the whole run, so raise it")
+
+
+class FilesLimitedFrom(StopAfter):
+    """From after step ``step`` on, the process's files may hold only 64 KiB (``ulimit -f``): the history file's
+    rows fit, an agent's weights do not (as on a disk that fills up)."""
+
+    def on_log(self, trainer, metrics, step):
+        if step == self.step and not hasattr(self, "previous"):
+            self.previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, self.previous[1]))
+
+
+@pytest.mark.parametrize("full_from_step, last_good", [(3, "checkpoint-1"), (1, None)])
+def test_a_final_save_that_fails_names_the_last_good_checkpoint(tiny_llama, tmp_path, full_from_step, last_good):
+    """Two epochs of two steps. Full from step 3: checkpoint-1 was written, the final checkpoint-2 fails and the
+    run fails naming checkpoint-1. Full from step 1: both fail and the last good checkpoint is "none"."""
+    limit = FilesLimitedFrom(full_from_step)
+    trainer = build(tiny_llama, [limit])
+    trainer.args.num_train_epochs = 2
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        with pytest.raises(CheckpointWriteError) as error:
+            trainer.train(checkpoint_dir=tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit.previous)
+        signal.signal(signal.SIGXFSZ, handler)
+    expected = str(tmp_path / last_good) if last_good else "none"
+    assert (error.value.checkpoint, error.value.file) == (str(tmp_path / "checkpoint-2"), "models/agent_0.safetensors")
+    assert error.value.last_good == expected
+    assert str(error.value).endswith(f"; the last good checkpoint is {expected}")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ([last_good] if last_good else [])
