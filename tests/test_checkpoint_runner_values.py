@@ -5,8 +5,11 @@ and where a stopped run says it can resume: checked on real modules and real run
 from __future__ import annotations
 
 import json
+import os
 import resource
 import signal
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,18 +111,19 @@ def test_a_state_that_load_state_dict_refuses_is_named_with_its_file_and_cause(t
     assert error.value.problem.endswith("but found the input RNG state size to be 10"), error.value.problem
 
 
-def test_a_resume_takes_the_tracking_runs_the_checkpoint_records(tiny_llama, tmp_path):
+@pytest.mark.parametrize("recorded, absent", [("wandb", "mlflow"), ("mlflow", "wandb")])
+def test_a_resume_takes_the_tracking_runs_the_checkpoint_records(tiny_llama, tmp_path, recorded, absent):
     """The checkpoint's record of each tracker run, absent or not, replaces what this process had."""
     first = build(tiny_llama)
     first.args.num_train_epochs = 1
-    first.run_identity["wandb"] = {"id": "abc123", "project": "demo"}
+    first.run_identity[recorded] = {"id": "abc123", "project": "demo"}
     first.train(checkpoint_dir=tmp_path)
 
     resumed = build(tiny_llama)
     resumed.run_identity.update(wandb={"id": "zzz999", "project": "demo"}, mlflow={"run_id": "r1"})
     resumed.train(checkpoint_dir=tmp_path, resume_from_checkpoint="latest")
-    assert resumed.run_identity["wandb"] == {"id": "abc123", "project": "demo"}
-    assert resumed.run_identity["mlflow"] is None
+    assert resumed.run_identity[recorded] == {"id": "abc123", "project": "demo"}
+    assert resumed.run_identity[absent] is None
 
 
 def test_a_checkpoint_of_other_models_cannot_be_resumed_here(tiny_llama, tmp_path):
@@ -224,17 +228,22 @@ def test_a_checkpoint_past_the_planned_stages_is_refused_with_both_counts(tiny_l
 
 
 class FilesLimitedFrom(StopAfter):
-    """From after step ``step`` on, the process's files may hold only 64 KiB (``ulimit -f``): the history file's
-    rows fit, an agent's weights do not (as on a disk that fills up)."""
+    """From after step ``step`` on, the process's files may hold only ``size`` bytes (``ulimit -f``; by default
+    64 KiB: the history file's rows fit, an agent's weights do not), as on a disk that fills up."""
+
+    def __init__(self, step: int, size: int = 64 * 1024):
+        super().__init__(step)
+        self.size = size
 
     def on_log(self, trainer, metrics, step):
         if step == self.step and not hasattr(self, "previous"):
             self.previous = resource.getrlimit(resource.RLIMIT_FSIZE)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, self.previous[1]))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.size, self.previous[1]))
 
 
 @pytest.mark.parametrize("full_from_step, last_good", [(3, "checkpoint-1"), (1, None)])
-def test_a_final_save_that_fails_names_the_last_good_checkpoint(tiny_llama, tmp_path, full_from_step, last_good):
+def test_a_final_save_that_fails_names_the_last_good_checkpoint(tiny_llama, tmp_path, full_from_step, last_good,
+                                                               caplog):
     """Two epochs of two steps. Full from step 3: checkpoint-1 was written, the final checkpoint-2 fails and the
     run fails naming checkpoint-1. Full from step 1: both fail and the last good checkpoint is "none"."""
     limit = FilesLimitedFrom(full_from_step)
@@ -242,13 +251,70 @@ def test_a_final_save_that_fails_names_the_last_good_checkpoint(tiny_llama, tmp_
     trainer.args.num_train_epochs = 2
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     try:
-        with pytest.raises(CheckpointWriteError) as error:
+        with caplog.at_level("ERROR", logger="comlrl.checkpointing.runner"), \
+                pytest.raises(CheckpointWriteError) as error:
             trainer.train(checkpoint_dir=tmp_path)
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, limit.previous)
         signal.signal(signal.SIGXFSZ, handler)
+    logged = [r.getMessage() for r in caplog.records if r.name == "comlrl.checkpointing.runner"]
+    assert logged[-1] == f"the final checkpoint was not saved: {error.value}"
+    if last_good is None:  # checkpoint-1 failed first, and the run went on
+        first = logged[0]
+        assert first.startswith(f"checkpoint save failed: writing models/agent_0.safetensors of checkpoint "
+                                f"{str(tmp_path / 'checkpoint-1')!r} failed: "), first
+        assert first.endswith("; the last good checkpoint is none. Training goes on; the run fails at its end "
+                              "unless a later checkpoint is saved"), first
+        assert len(logged) == 2
+    else:
+        assert len(logged) == 1
     expected = str(tmp_path / last_good) if last_good else "none"
     assert (error.value.checkpoint, error.value.file) == (str(tmp_path / "checkpoint-2"), "models/agent_0.safetensors")
     assert error.value.last_good == expected
     assert str(error.value).endswith(f"; the last good checkpoint is {expected}")
     assert [p.name for p in list_checkpoints(tmp_path)] == ([last_good] if last_good else [])
+
+
+def test_a_checkpoint_whose_manifest_was_removed_is_refused_as_metadata_says_it_had_one(tiny_llama, tmp_path):
+    first = build(tiny_llama)
+    first.args.num_train_epochs = 1
+    first.train(checkpoint_dir=tmp_path)
+    checkpoint = tmp_path / "checkpoint-1"
+    (checkpoint / "manifest.json").unlink()
+    with pytest.raises(CheckpointError) as error:
+        build(tiny_llama).train(checkpoint_dir=tmp_path, resume_from_checkpoint=checkpoint)
+    assert (error.value.checkpoint, error.value.file) == (str(checkpoint), "manifest.json")
+    assert error.value.problem == "is missing (metadata.json says the checkpoint was saved with one)"
+
+
+def test_a_history_file_that_cannot_grow_is_named_relative_to_the_checkpoint(tiny_llama, tmp_path):
+    """Files limited to 100 bytes from step 1: the history rows, appended before the weights, fail first."""
+    limit = FilesLimitedFrom(1, size=100)
+    trainer = build(tiny_llama, [limit])
+    trainer.args.num_train_epochs = 1
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        with pytest.raises(CheckpointWriteError) as error:
+            trainer.train(checkpoint_dir=tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit.previous)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert error.value.checkpoint == str(tmp_path / "checkpoint-1")
+    history = sorted((tmp_path / "history").iterdir())
+    assert [p.suffix for p in history] == [".jsonl"] and error.value.file == f"../history/{history[0].name}"
+
+
+def test_each_boundary_is_written_once_and_the_end_writes_no_other(tiny_llama, tmp_path, monkeypatch):
+    """Three epochs with a checkpoint at each: three checkpoints installed, in order; the run's end finds the
+    last one already written (a recording wrapper around the real ``os.replace``)."""
+    installed = []
+    replace = os.replace
+
+    def recording_replace(source, target):
+        if not Path(target).name.startswith("."):
+            installed.append(Path(target).name)
+        return replace(source, target)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    build(tiny_llama).train(checkpoint_dir=tmp_path)
+    assert installed == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
