@@ -4,6 +4,7 @@ and where a stopped run says it can resume: checked on real modules and real run
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -164,26 +165,72 @@ def test_an_optimizer_state_that_does_not_load_is_named_with_the_checkpoint_and_
                                    f"'no.such.weight', which the model lacks")
 
 
-def test_a_failure_right_after_a_boundary_names_that_checkpoint_and_writes_no_other(tiny_llama, tmp_path, caplog):
-    """Two rows of batch 1: the reward fails at its third call, the first step of epoch 2. That step is put back,
-    so the state is epoch 1's end, which checkpoint-1 already holds: the run names it and writes nothing new."""
+def failing_reward(fails_from_call: int):
+    """The test's reward (each completion's length) until its ``fails_from_call``-th call, which and every later
+    one raise ConnectionError."""
     calls = []
 
     def reward(a, b):
         calls.append(len(a))
-        if len(calls) >= 3:
+        if len(calls) >= fails_from_call:
             raise ConnectionError("reward service is down")
         return [float(len(x)) for x in a]
 
-    trainer = MAGRPOTrainer(agent_model=tiny_llama, num_agents=2, train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"]}),
-                            reward_func=reward,
-                            args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=3,
-                                              per_device_train_batch_size=1, seed=5, disable_tqdm=True,
-                                              reward_retries=0))
+    return reward
+
+
+def build_with_reward(model_dir: str, reward) -> MAGRPOTrainer:
+    return MAGRPOTrainer(agent_model=model_dir, num_agents=2, train_dataset=Dataset.from_dict({"prompt": ["a b", "c d"]}),
+                         reward_func=reward,
+                         args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=4, num_train_epochs=3,
+                                           per_device_train_batch_size=1, seed=5, disable_tqdm=True, reward_retries=0))
+
+
+def test_a_failure_right_after_a_boundary_names_that_checkpoint_and_writes_no_other(tiny_llama, tmp_path, caplog):
+    """Two rows of batch 1: the reward fails at its third call, the first step of epoch 2. That step is put back,
+    so the state is epoch 1's end, which checkpoint-1 already holds: the run names it and writes nothing new."""
     with caplog.at_level("ERROR", logger="comlrl.training.run"), pytest.raises(Exception, match="reward service is down"):
-        trainer.train(checkpoint_dir=tmp_path)
+        build_with_reward(tiny_llama, failing_reward(3)).train(checkpoint_dir=tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]
     assert f"ended the run after step 2; resume from {tmp_path / 'checkpoint-1'}" in caplog.text, caplog.text
+
+
+def test_a_failure_right_after_a_resume_names_the_checkpoint_resumed_and_writes_no_other(tiny_llama, tmp_path, caplog):
+    first = build(tiny_llama)
+    first.args.num_train_epochs = 1
+    first.train(checkpoint_dir=tmp_path)
+    with caplog.at_level("ERROR", logger="comlrl.training.run"), pytest.raises(Exception, match="reward service is down"):
+        build_with_reward(tiny_llama, failing_reward(1)).train(checkpoint_dir=tmp_path, resume_from_checkpoint="latest")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]
+    assert f"ended the run after step 2; resume from {tmp_path / 'checkpoint-1'}" in caplog.text, caplog.text
+
+
+def test_resuming_a_finished_run_writes_no_checkpoint(tiny_llama, tmp_path, monkeypatch):
+    build(tiny_llama).train(checkpoint_dir=tmp_path)
+    installed = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda source, target: (installed.append(Path(target).name), replace(source, target)))
+    resumed = build(tiny_llama)
+    resumed.train(checkpoint_dir=tmp_path, resume_from_checkpoint="latest")
+    assert installed == [] and resumed.state.global_step == 6
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def test_a_final_save_the_cadence_left_to_the_end_fails_the_run_when_it_fails(tiny_llama, tmp_path):
+    """checkpoint_interval=2 over three epochs: checkpoint-2 at its boundary, the final checkpoint-3 at the run's
+    end. Files limited from step 5 (epoch 3): the end's save fails, and so does the run, naming checkpoint-2."""
+    limit = FilesLimitedFrom(5)
+    trainer = build(tiny_llama, [limit])
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        with pytest.raises(CheckpointWriteError) as error:
+            trainer.train(checkpoint_dir=tmp_path, checkpoint_interval=2)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit.previous)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert (error.value.checkpoint, error.value.file) == (str(tmp_path / "checkpoint-3"), "models/agent_0.safetensors")
+    assert error.value.last_good == str(tmp_path / "checkpoint-2")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2"]
 
 
 class StopWithFullDisk(StopAfter):
@@ -302,6 +349,9 @@ def test_a_history_file_that_cannot_grow_is_named_relative_to_the_checkpoint(tin
     assert error.value.checkpoint == str(tmp_path / "checkpoint-1")
     history = sorted((tmp_path / "history").iterdir())
     assert [p.suffix for p in history] == [".jsonl"] and error.value.file == f"../history/{history[0].name}"
+    assert error.value.errno == errno.EFBIG
+    assert error.value.cause.startswith("file too large: the process's file-size limit (ulimit -f) is 0.1 KB, this "
+                                        "checkpoint's files need up to ~"), error.value.cause
 
 
 def test_each_boundary_is_written_once_and_the_end_writes_no_other(tiny_llama, tmp_path, monkeypatch):
@@ -318,3 +368,14 @@ def test_each_boundary_is_written_once_and_the_end_writes_no_other(tiny_llama, t
     monkeypatch.setattr(os, "replace", recording_replace)
     build(tiny_llama).train(checkpoint_dir=tmp_path)
     assert installed == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def test_a_history_folder_that_cannot_be_made_is_named_with_the_cause(tiny_llama, tmp_path):
+    """A file where the run's history folder goes: the first save cannot make the folder (EEXIST), and says so."""
+    (tmp_path / "history").write_text("not a folder")
+    trainer = build(tiny_llama)
+    trainer.args.num_train_epochs = 1
+    with pytest.raises(CheckpointWriteError) as error:
+        trainer.train(checkpoint_dir=tmp_path)
+    assert (error.value.checkpoint, error.value.file) == (str(tmp_path / "checkpoint-1"), "../history/")
+    assert (error.value.cause, error.value.errno) == ("File exists (EEXIST)", errno.EEXIST)
