@@ -379,3 +379,16 @@ def test_a_history_folder_that_cannot_be_made_is_named_with_the_cause(tiny_llama
         trainer.train(checkpoint_dir=tmp_path)
     assert (error.value.checkpoint, error.value.file) == (str(tmp_path / "checkpoint-1"), "../history/")
     assert (error.value.cause, error.value.errno) == ("File exists (EEXIST)", errno.EEXIST)
+
+
+def test_a_resume_from_a_folder_of_another_name_archives_what_came_after_its_state(tiny_llama, tmp_path):
+    """A copy of checkpoint-1 named "picked" (its name gives no position): the position is the copy's state,
+    boundary 1 at step 2, so checkpoint-2 and checkpoint-3 of the first run are archived, checkpoint-1 kept."""
+    import shutil
+
+    build(tiny_llama).train(checkpoint_dir=tmp_path)
+    shutil.copytree(tmp_path / "checkpoint-1", tmp_path / "picked")
+    build(tiny_llama).train(checkpoint_dir=tmp_path, resume_from_checkpoint=tmp_path / "picked")
+    archived = sorted(p.name for p in (tmp_path / "abandoned").rglob("checkpoint-*") if p.is_dir())
+    assert archived == ["checkpoint-2", "checkpoint-3"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]

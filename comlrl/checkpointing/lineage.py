@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 ARCHIVE_DIR = "abandoned"
 JOURNAL_FILE = ".archive.json"
 UNRECORDED = "unrecorded"  # the archive folder of checkpoints saved before lineage was recorded
-_ATTEMPT = re.compile(r"^[0-9A-Za-z][0-9A-Za-z_-]{0,63}$")
+_ATTEMPT = re.compile(r"[0-9A-Za-z][0-9A-Za-z_-]{0,63}")  # fullmatch: "$" would let a final newline in
 
 
 def new_attempt() -> str:
@@ -57,7 +57,7 @@ def check_record(lineage: Any, fail: Callable[[str], None]) -> None:
         fail(f"lineage must be an object with exactly attempt, ancestors and resumed_from, got {lineage!r}"[:300])
     ids = [lineage["attempt"], *(lineage["ancestors"] if isinstance(lineage["ancestors"], list) else [None])]
     for value in ids:
-        if not isinstance(value, str) or not _ATTEMPT.match(value):
+        if not isinstance(value, str) or not _ATTEMPT.fullmatch(value):
             fail(f"lineage holds an invalid attempt id {value!r} (letters, digits, '-' and '_')")
     if lineage["resumed_from"] is not None and not isinstance(lineage["resumed_from"], str):
         fail(f"lineage.resumed_from is {lineage['resumed_from']!r}, expected a checkpoint name or null")
@@ -69,7 +69,7 @@ def attempt_of(checkpoint: Path) -> str:
         attempt = json.loads((checkpoint / io.METADATA_FILE).read_text())["lineage"]["attempt"]
     except (OSError, ValueError, KeyError, TypeError):
         return UNRECORDED
-    return attempt if isinstance(attempt, str) and _ATTEMPT.match(attempt) else UNRECORDED
+    return attempt if isinstance(attempt, str) and _ATTEMPT.fullmatch(attempt) else UNRECORDED
 
 
 def later_checkpoints(checkpoint_dir: Path, position: tuple[int, int]) -> list[Path]:
