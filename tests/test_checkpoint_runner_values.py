@@ -392,3 +392,13 @@ def test_a_resume_from_a_folder_of_another_name_archives_what_came_after_its_sta
     archived = sorted(p.name for p in (tmp_path / "abandoned").rglob("checkpoint-*") if p.is_dir())
     assert archived == ["checkpoint-2", "checkpoint-3"]
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+@pytest.mark.parametrize("interval", [0, -1, True, 1.5, "2", None])
+def test_a_checkpoint_interval_that_is_not_a_positive_integer_is_refused_in_these_words(tiny_llama, tmp_path,
+                                                                                       interval):
+    trainer = build(tiny_llama)
+    with pytest.raises(ValueError) as error:
+        trainer.train(checkpoint_dir=tmp_path, checkpoint_interval=interval)
+    assert str(error.value) == f"checkpoint_interval must be a positive integer, got {interval!r}"
+    assert trainer.state.global_step == 0 and list_checkpoints(tmp_path) == []
