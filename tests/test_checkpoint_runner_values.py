@@ -402,3 +402,55 @@ def test_a_checkpoint_interval_that_is_not_a_positive_integer_is_refused_in_thes
         trainer.train(checkpoint_dir=tmp_path, checkpoint_interval=interval)
     assert str(error.value) == f"checkpoint_interval must be a positive integer, got {interval!r}"
     assert trainer.state.global_step == 0 and list_checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize("limit", [0, -2, True, 1.5, "2"])
+def test_a_save_total_limit_that_is_not_a_positive_integer_is_refused_in_these_words(tiny_llama, tmp_path, limit):
+    trainer = build(tiny_llama)
+    with pytest.raises(ValueError) as error:
+        trainer.train(checkpoint_dir=tmp_path, save_total_limit=limit)
+    assert str(error.value) == f"save_total_limit must be a positive integer or None, got {limit!r}"
+    assert trainer.state.global_step == 0
+
+
+def test_a_checkpoint_directory_another_holder_locks_is_refused_naming_it(tiny_llama, tmp_path):
+    """The test holds the directory's lock (an flock on its own open file): the run is refused before any step,
+    the refusal naming the checkpoint directory."""
+    from comlrl.checkpointing.lock import DirectoryLock, DirectoryLockedError
+
+    held = DirectoryLock(tmp_path, shared=False)
+    held.acquire()
+    try:
+        trainer = build(tiny_llama)
+        with pytest.raises(DirectoryLockedError) as error:
+            trainer.train(checkpoint_dir=tmp_path)
+    finally:
+        held.release()
+    assert str(error.value).startswith(f"checkpoint directory {tmp_path} is in use by another process ("), str(error.value)
+    assert trainer.state.global_step == 0 and list_checkpoints(tmp_path) == []
+
+
+def test_the_history_file_is_named_after_the_runs_attempt(tiny_llama, tmp_path):
+    trainer = build(tiny_llama)
+    trainer.args.num_train_epochs = 1
+    trainer.train(checkpoint_dir=tmp_path)
+    metadata = json.loads((tmp_path / "checkpoint-1" / "metadata.json").read_text())
+    assert [p.name for p in (tmp_path / "history").iterdir()] == [f"{metadata['lineage']['attempt']}.jsonl"]
+
+
+def test_resume_true_is_latest_and_false_starts_afresh(tiny_llama, tmp_path):
+    first = build(tiny_llama)
+    first.args.num_train_epochs = 1
+    first.train(checkpoint_dir=tmp_path)
+    resumed = build(tiny_llama)
+    resumed.args.num_train_epochs = 2
+    resumed.train(checkpoint_dir=tmp_path, resume_from_checkpoint=True)
+    lineage = json.loads((tmp_path / "checkpoint-2" / "metadata.json").read_text())["lineage"]
+    assert lineage["resumed_from"] == "checkpoint-1" and len(lineage["ancestors"]) == 1
+    afresh = build(tiny_llama)
+    afresh.args.num_train_epochs = 1
+    afresh.train(checkpoint_dir=tmp_path / "other", resume_from_checkpoint=False)
+    assert json.loads((tmp_path / "other" / "checkpoint-1" / "metadata.json").read_text())["lineage"]["resumed_from"] is None
+    with pytest.raises(ValueError) as error:
+        build(tiny_llama).train(resume_from_checkpoint="latest")
+    assert str(error.value) == "resume_from_checkpoint='latest' needs checkpoint_dir"

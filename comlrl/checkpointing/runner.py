@@ -73,8 +73,6 @@ class CheckpointRunner:
     ) -> None:
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 1:
             raise ValueError(f"checkpoint_interval must be a positive integer, got {checkpoint_interval!r}")
-        if save_total_limit is not None and (not isinstance(save_total_limit, int) or save_total_limit < 1):
-            raise ValueError(f"save_total_limit must be a positive integer or None, got {save_total_limit!r}")
         self.trainer = trainer
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.interval = checkpoint_interval
