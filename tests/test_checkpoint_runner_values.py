@@ -9,7 +9,7 @@ import json
 import os
 import resource
 import signal
-
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -205,11 +205,22 @@ def test_a_failure_right_after_a_resume_names_the_checkpoint_resumed_and_writes_
     assert f"ended the run after step 2; resume from {tmp_path / 'checkpoint-1'}" in caplog.text, caplog.text
 
 
+def record_replacements(monkeypatch) -> list[str]:
+    """The names ``os.replace`` moves something to from now on (a recording wrapper around the real one)."""
+    names = []
+    replace = os.replace
+
+    def recording_replace(source, target):
+        names.append(Path(target).name)
+        return replace(source, target)
+
+    monkeypatch.setattr(os, "replace", recording_replace)
+    return names
+
+
 def test_resuming_a_finished_run_writes_no_checkpoint(tiny_llama, tmp_path, monkeypatch):
     build(tiny_llama).train(checkpoint_dir=tmp_path)
-    installed = []
-    replace = os.replace
-    monkeypatch.setattr(os, "replace", lambda source, target: (installed.append(Path(target).name), replace(source, target)))
+    installed = record_replacements(monkeypatch)
     resumed = build(tiny_llama)
     resumed.train(checkpoint_dir=tmp_path, resume_from_checkpoint="latest")
     assert installed == [] and resumed.state.global_step == 6
@@ -221,38 +232,58 @@ def test_a_final_save_the_cadence_left_to_the_end_fails_the_run_when_it_fails(ti
     end. Files limited from step 5 (epoch 3): the end's save fails, and so does the run, naming checkpoint-2."""
     limit = FilesLimitedFrom(5)
     trainer = build(tiny_llama, [limit])
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    try:
+    with file_limit_put_back():
         with pytest.raises(CheckpointWriteError) as error:
             trainer.train(checkpoint_dir=tmp_path, checkpoint_interval=2)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit.previous)
-        signal.signal(signal.SIGXFSZ, handler)
     assert (error.value.checkpoint, error.value.file) == (str(tmp_path / "checkpoint-3"), "models/agent_0.safetensors")
     assert error.value.last_good == str(tmp_path / "checkpoint-2")
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2"]
 
 
-class StopWithFullDisk(StopAfter):
-    """A SIGTERM after the step, with the process's files limited to 4 KiB: the stop's checkpoint cannot be
-    written (``ulimit -f``), as on a full disk."""
+class FilesLimitedFrom(StopAfter):
+    """From after step ``step`` on, the process's files may hold only ``size`` bytes (``ulimit -f``; by default
+    64 KiB: the history file's rows fit, an agent's weights do not), as on a disk that fills up."""
+
+    def __init__(self, step: int, size: int = 64 * 1024):
+        super().__init__(step)
+        self.size = size
 
     def on_log(self, trainer, metrics, step):
-        if step == self.step:
+        if step == self.step and not hasattr(self, "previous"):
             self.previous = resource.getrlimit(resource.RLIMIT_FSIZE)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (4096, self.previous[1]))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.size, self.previous[1]))
+
+
+class StopWithFullDisk(FilesLimitedFrom):
+    """A SIGTERM after the step, with the process's files limited to 4 KiB from then on: the stop's checkpoint
+    cannot be written, as on a full disk."""
+
+    def __init__(self, step: int):
+        super().__init__(step, size=4096)
+
+    def on_log(self, trainer, metrics, step):
         super().on_log(trainer, metrics, step)
+        StopAfter.on_log(self, trainer, metrics, step)
+
+
+@contextmanager
+def file_limit_put_back():
+    """Whatever file-size limit a callback sets inside is lifted on leaving, and a write past it fails with EFBIG
+    (SIGXFSZ ignored) instead of killing the test process."""
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, handler)
 
 
 def test_a_stop_whose_checkpoint_cannot_be_written_names_no_checkpoint(tiny_llama, tmp_path):
     stop = StopWithFullDisk(3)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    try:
+    with file_limit_put_back():
         with pytest.raises(TrainingInterrupted) as stopped:
             build(tiny_llama, [stop]).train(checkpoint_dir=tmp_path)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, stop.previous)
-        signal.signal(signal.SIGXFSZ, handler)
     assert stopped.value.checkpoint is None
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]  # the boundary's, written before
 
@@ -274,20 +305,6 @@ def test_a_checkpoint_past_the_planned_stages_is_refused_with_both_counts(tiny_l
                                    f"but this run plans {stages}; the run's length counts the whole run, so raise it")
 
 
-class FilesLimitedFrom(StopAfter):
-    """From after step ``step`` on, the process's files may hold only ``size`` bytes (``ulimit -f``; by default
-    64 KiB: the history file's rows fit, an agent's weights do not), as on a disk that fills up."""
-
-    def __init__(self, step: int, size: int = 64 * 1024):
-        super().__init__(step)
-        self.size = size
-
-    def on_log(self, trainer, metrics, step):
-        if step == self.step and not hasattr(self, "previous"):
-            self.previous = resource.getrlimit(resource.RLIMIT_FSIZE)
-            resource.setrlimit(resource.RLIMIT_FSIZE, (self.size, self.previous[1]))
-
-
 @pytest.mark.parametrize("full_from_step, last_good", [(3, "checkpoint-1"), (1, None)])
 def test_a_final_save_that_fails_names_the_last_good_checkpoint(tiny_llama, tmp_path, full_from_step, last_good,
                                                                caplog):
@@ -296,14 +313,10 @@ def test_a_final_save_that_fails_names_the_last_good_checkpoint(tiny_llama, tmp_
     limit = FilesLimitedFrom(full_from_step)
     trainer = build(tiny_llama, [limit])
     trainer.args.num_train_epochs = 2
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    try:
+    with file_limit_put_back():
         with caplog.at_level("ERROR", logger="comlrl.checkpointing.runner"), \
                 pytest.raises(CheckpointWriteError) as error:
             trainer.train(checkpoint_dir=tmp_path)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit.previous)
-        signal.signal(signal.SIGXFSZ, handler)
     logged = [r.getMessage() for r in caplog.records if r.name == "comlrl.checkpointing.runner"]
     assert logged[-1] == f"the final checkpoint was not saved: {error.value}"
     if last_good is None:  # checkpoint-1 failed first, and the run went on
@@ -339,13 +352,9 @@ def test_a_history_file_that_cannot_grow_is_named_relative_to_the_checkpoint(tin
     limit = FilesLimitedFrom(1, size=100)
     trainer = build(tiny_llama, [limit])
     trainer.args.num_train_epochs = 1
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    try:
+    with file_limit_put_back():
         with pytest.raises(CheckpointWriteError) as error:
             trainer.train(checkpoint_dir=tmp_path)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, limit.previous)
-        signal.signal(signal.SIGXFSZ, handler)
     assert error.value.checkpoint == str(tmp_path / "checkpoint-1")
     history = sorted((tmp_path / "history").iterdir())
     assert [p.suffix for p in history] == [".jsonl"] and error.value.file == f"../history/{history[0].name}"
@@ -355,19 +364,11 @@ def test_a_history_file_that_cannot_grow_is_named_relative_to_the_checkpoint(tin
 
 
 def test_each_boundary_is_written_once_and_the_end_writes_no_other(tiny_llama, tmp_path, monkeypatch):
-    """Three epochs with a checkpoint at each: three checkpoints installed, in order; the run's end finds the
-    last one already written (a recording wrapper around the real ``os.replace``)."""
-    installed = []
-    replace = os.replace
-
-    def recording_replace(source, target):
-        if not Path(target).name.startswith("."):
-            installed.append(Path(target).name)
-        return replace(source, target)
-
-    monkeypatch.setattr(os, "replace", recording_replace)
+    """Three epochs with a checkpoint at each: three checkpoints installed, in order (an older one set aside
+    as ``.NAME.old-PID`` is not an install); the run's end finds the last one already written."""
+    replaced = record_replacements(monkeypatch)
     build(tiny_llama).train(checkpoint_dir=tmp_path)
-    assert installed == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert [name for name in replaced if not name.startswith(".")] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
 
 
 def test_a_history_folder_that_cannot_be_made_is_named_with_the_cause(tiny_llama, tmp_path):
