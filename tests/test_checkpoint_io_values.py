@@ -7,11 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import signal
 import sys
 import types
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ from safetensors import safe_open
 from comlrl.checkpointing import io
 from comlrl.checkpointing.manifest import COMPLETE_MARKER, MANIFEST_FILE, seal, verify
 from comlrl.errors import CheckpointError, CheckpointNotFoundError, CheckpointWriteError
+from file_limits import file_size_limit
 
 
 def finished(path: Path, metadata: dict | None = None) -> Path:
@@ -44,19 +42,6 @@ def linear(seed: int, shape=(8, 8)) -> torch.nn.Linear:
 
 def entries(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
-
-
-@contextmanager
-def file_size_limit(limit: int):
-    """Files of this process may hold only ``limit`` bytes (``ulimit -f``): a write past it fails with EFBIG."""
-    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, previous[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
-        signal.signal(signal.SIGXFSZ, previous_handler)
 
 
 # ----- names, order, latest --------------------------------------------------------------------------

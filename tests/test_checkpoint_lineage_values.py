@@ -28,6 +28,7 @@ from comlrl.checkpointing import lineage
 from comlrl.checkpointing.lock import DirectoryLock, DirectoryLockedError
 from comlrl.checkpointing.write_errors import describe, file_size_limit, tensor_bytes
 from comlrl.errors import CheckpointError
+import file_limits
 
 
 class Refused(Exception):
@@ -493,18 +494,6 @@ def megabytes(text: str) -> float:
     return float(number) * (2**20 if unit == "MB" else 2**10)
 
 
-class limited_file_size:
-    def __init__(self, limit: int):
-        self.limit = limit
-
-    def __enter__(self):
-        self.saved = resource.getrlimit(resource.RLIMIT_FSIZE)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, self.saved[1]))
-
-    def __exit__(self, *exc):
-        resource.setrlimit(resource.RLIMIT_FSIZE, self.saved)
-
-
 def test_a_full_disk_or_quota_names_the_free_space_and_the_need(tmp_path):
     for code in (errno.ENOSPC, errno.EDQUOT):
         cause, returned = describe(OSError(code, os.strerror(code)), tmp_path, 3 * 2**20 + 2**19)
@@ -524,7 +513,7 @@ def test_a_full_disk_or_quota_names_the_free_space_and_the_need(tmp_path):
 
 
 def test_a_file_too_large_names_the_limit(tmp_path):
-    with limited_file_size(3 * 2**20):
+    with file_limits.file_size_limit(3 * 2**20):
         assert file_size_limit() == 3 * 2**20
         assert describe(OSError(errno.EFBIG, "File too large"), tmp_path, 5 * 2**20) == (
             "file too large: the process's file-size limit (ulimit -f) is 3.0 MB, this checkpoint's files need up "
@@ -549,7 +538,7 @@ def test_an_error_without_errno_is_judged_from_the_disk_and_the_limit(tmp_path):
     cause, code = describe(unexpected, tmp_path, huge)
     assert code == errno.ENOSPC and cause.startswith("no space left on device: ")
     assert cause.endswith(f"this checkpoint needs ~{huge / 2**20:.1f} MB")
-    with limited_file_size(2**20):
+    with file_limits.file_size_limit(2**20):
         assert describe(unexpected, tmp_path, 2 * 2**20) == (
             "file too large: the process's file-size limit (ulimit -f) is 1.0 MB, this checkpoint's files need up "
             "to ~2.0 MB", errno.EFBIG)

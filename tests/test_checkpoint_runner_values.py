@@ -8,8 +8,6 @@ import errno
 import json
 import os
 import resource
-import signal
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from comlrl.checkpointing.runner import _describe_shape_difference, model_finger
 from comlrl.errors import CheckpointError, CheckpointWriteError, TrainingInterrupted
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from test_checkpoint_lineage import StopAfter
+from file_limits import file_size_limit
 
 
 class Head(torch.nn.Module):
@@ -232,7 +231,7 @@ def test_a_final_save_the_cadence_left_to_the_end_fails_the_run_when_it_fails(ti
     end. Files limited from step 5 (epoch 3): the end's save fails, and so does the run, naming checkpoint-2."""
     limit = FilesLimitedFrom(5)
     trainer = build(tiny_llama, [limit])
-    with file_limit_put_back():
+    with file_size_limit():
         with pytest.raises(CheckpointWriteError) as error:
             trainer.train(checkpoint_dir=tmp_path, checkpoint_interval=2)
     assert (error.value.checkpoint, error.value.file) == (str(tmp_path / "checkpoint-3"), "models/agent_0.safetensors")
@@ -266,22 +265,9 @@ class StopWithFullDisk(FilesLimitedFrom):
         StopAfter.on_log(self, trainer, metrics, step)
 
 
-@contextmanager
-def file_limit_put_back():
-    """Whatever file-size limit a callback sets inside is lifted on leaving, and a write past it fails with EFBIG
-    (SIGXFSZ ignored) instead of killing the test process."""
-    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
-    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
-        signal.signal(signal.SIGXFSZ, handler)
-
-
 def test_a_stop_whose_checkpoint_cannot_be_written_names_no_checkpoint(tiny_llama, tmp_path):
     stop = StopWithFullDisk(3)
-    with file_limit_put_back():
+    with file_size_limit():
         with pytest.raises(TrainingInterrupted) as stopped:
             build(tiny_llama, [stop]).train(checkpoint_dir=tmp_path)
     assert stopped.value.checkpoint is None
@@ -313,7 +299,7 @@ def test_a_final_save_that_fails_names_the_last_good_checkpoint(tiny_llama, tmp_
     limit = FilesLimitedFrom(full_from_step)
     trainer = build(tiny_llama, [limit])
     trainer.args.num_train_epochs = 2
-    with file_limit_put_back():
+    with file_size_limit():
         with caplog.at_level("ERROR", logger="comlrl.checkpointing.runner"), \
                 pytest.raises(CheckpointWriteError) as error:
             trainer.train(checkpoint_dir=tmp_path)
@@ -352,7 +338,7 @@ def test_a_history_file_that_cannot_grow_is_named_relative_to_the_checkpoint(tin
     limit = FilesLimitedFrom(1, size=100)
     trainer = build(tiny_llama, [limit])
     trainer.args.num_train_epochs = 1
-    with file_limit_put_back():
+    with file_size_limit():
         with pytest.raises(CheckpointWriteError) as error:
             trainer.train(checkpoint_dir=tmp_path)
     assert error.value.checkpoint == str(tmp_path / "checkpoint-1")
