@@ -125,6 +125,16 @@ def build_actor_critic(kind: str, model_dir: str, prompts: list[str], per_device
         num_train_epochs=epochs, seed=11, device="cpu", disable_tqdm=True,
     )
     data = Dataset.from_dict({"prompt": prompts})
+    if kind == "maac_drop":  # in prompt order, the odd places (the second process's share) have no reward
+        dropped = set(prompts[1::2])
+
+        def reward(prompts, completions_0, completions_1):  # prompts first, as 1.4.3 passed them
+            kept = letter_reward(completions_0, completions_1)
+            return [float("nan") if prompt in dropped else value for prompt, value in zip(prompts, kept)]
+
+        return PerPromptSeededMAAC(agent_model=model_dir, critic_model=model_dir, num_agents=2, reward_func=reward,
+                                   train_dataset=data, model_config={"critic_value_head_hidden_dim": 8},
+                                   args=MAACConfig(shuffle=False, invalid_reward="drop", **common))
     if kind == "maac":
         return PerPromptSeededMAAC(agent_model=model_dir, critic_model=model_dir, num_agents=2, reward_func=letter_reward,
                                    train_dataset=data, args=MAACConfig(**common),
@@ -545,6 +555,7 @@ if __name__ == "__main__":
     for name in ("model_dir", "prompts_file", "out_dir"):
         parser.add_argument(name)
     parser.add_argument("resume", nargs="?")
-    parser.add_argument("--trainer", default="magrpo", choices=("magrpo", "maac", "iac", "iac_shared", "matrix"))
+    parser.add_argument("--trainer", default="magrpo",
+                        choices=("magrpo", "maac", "maac_drop", "iac", "iac_shared", "matrix"))
     arguments = parser.parse_args()
     main(arguments.model_dir, arguments.prompts_file, arguments.out_dir, arguments.resume, arguments.trainer)

@@ -135,6 +135,9 @@ atexit.register(lambda: (out / f"rank{rank}.txt").write_text(str(dist.is_initial
 data_parallel = distributed.current()
 rank = data_parallel.rank
 assert dist.is_initialized() and data_parallel.world_size == 2
+# Both have joined before either exits: a rank that left at once could close the mesh while the other, slowed
+# by a loaded machine, was still connecting to it ("Connection closed by peer", seen once under load 12).
+dist.barrier()
 """
 
 

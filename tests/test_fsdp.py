@@ -1,7 +1,8 @@
 """FSDP: a 2-process torchrun (gloo) MAGRPO step with sharded agents equals a 1-process step over the
 same global batch; checkpoints move between sharded and unsharded runs in both directions;
 sharded agents sample without waiting on each other and export ordinary model directories;
-the same holds for MAAC and IAC with sharded critics and value heads; and the launch settings
+the same holds for MAAC and IAC with sharded critics and value heads, and for MAAC when every reward of
+one process's prompts is dropped; and the launch settings
 are read (or refused) as accelerate's FSDP config sets them.
 
 The worker is tests/distributed_worker.py, launched with the variables ``accelerate launch
@@ -129,7 +130,10 @@ def test_what_fsdp_cannot_shard_is_refused_before_loading():
 
 # ----- actor-critic: sharded critics and value heads ----------------------------------------------
 # Per trainer kind (tests/distributed_worker.py): the models carrying value heads (iac_shared: the actors).
-VALUE_MODELS = {"maac": ["critic"], "iac": ["critic_0", "critic_1"], "iac_shared": ["agent_0", "agent_1"]}
+# maac_drop: invalid_reward="drop" with every reward of the second process's prompts dropped, so its critic joins
+# the sharded backward with a zero loss (the 1-process run drops the same rewards).
+VALUE_MODELS = {"maac": ["critic"], "maac_drop": ["critic"], "iac": ["critic_0", "critic_1"],
+                "iac_shared": ["agent_0", "agent_1"]}
 
 
 @pytest.fixture(scope="module", params=sorted(VALUE_MODELS))
@@ -160,11 +164,13 @@ def test_sharded_actor_critic_steps_equal_one_process_steps(actor_critic_runs, t
     parallel = json.loads((out / "history.json").read_text())
     critics = VALUE_MODELS[kind]
     for step in range(2):
-        for key in ["agent_0/grad_norm", "agent_1/grad_norm", "reward_mean"] + [f"{c}/grad_norm" for c in critics]:
+        for key in ["agent_0/grad_norm", "agent_1/grad_norm", "reward_mean", "reward_std", "reward/dropped",
+                    *(f"{c}/{name}" for c in critics for name in ("grad_norm", "value_mean", "value_error"))]:
             assert parallel[step][key] == pytest.approx(single_history[step][key], rel=1e-4, abs=1e-6), (step, key)
         for key in [f"{c}/value_loss" for c in critics]:
             assert parallel[step][key] == pytest.approx(single_history[step][key], rel=1e-4, abs=1e-7), (step, key)
     assert single_history[1][f"{critics[0]}/grad_norm"] > 0
+    assert [step["reward/dropped"] for step in single_history] == ([4.0, 8.0] if kind == "maac_drop" else [0.0, 0.0])
     weights = torch.load(out / "weights.pt", weights_only=True)
     expected = full_modules(single)
     assert set(expected) == {"agent_0", "agent_1", *critics, *(f"{c}_value_head" for c in critics)}

@@ -22,6 +22,7 @@ from comlrl.data import batches, check_dataset, format_prompt, resolve_formatter
 from comlrl.parallel import distributed, sharding
 from comlrl.models import lora
 from comlrl.parallel.memory import enable_gradient_checkpointing, resolve_precision
+from comlrl.training.metrics import Total, pooled_means, pooled_std, this_process
 from comlrl.training.mixed_precision import compute_dtype, sampling_models
 from comlrl.training.reference import ReferencePolicy, ReferenceTerms, reference_terms
 from comlrl.parallel.placement import (AgentMap, devices_of, local_gpus, map_by_device, resolve_placement,
@@ -449,22 +450,27 @@ class MultiAgentTrainer(EpochSteps):
             reward = JointReward(reward)
         return score_rollout(rollout, reward or self.reward)
 
-    def rollout_metrics(self, rollout: Any, rewards: list[torch.Tensor]) -> dict[str, float]:
-        """Reward and completion-length metrics of a rollout (dropped, NaN rewards left out)."""
-        first = rewards[0]
-        kept = first[~torch.isnan(first)]
-        metrics = {"reward_mean": float(kept.mean()), "reward_std": float(kept.std(unbiased=False))}
+    def rollout_metrics(self, rollout: Any, rewards: list[torch.Tensor], total: Total = this_process
+                        ) -> dict[str, float]:
+        """Reward and completion-length metrics of a rollout (dropped, NaN rewards left out). ``total`` sums
+        the statistics over the processes: a training step's rollouts differ between them, and its metrics are
+        over all of their samples, as in one process (an evaluation's rows are the same on every process)."""
         # Per turn, numbered from 1 (as comlrl 1.4.3 names them, one turn included): the mean reward, and
         # the expected return, the undiscounted reward sum from that turn on.
         undiscounted = tree_returns(rewards, 1.0, rollout.parents())
-        for turn, (turn_rewards, turn_returns) in enumerate(zip(rewards, undiscounted), start=1):
-            metrics[f"turn_{turn}/reward_mean"] = float(turn_rewards.nanmean())
-            metrics[f"turn_{turn}/expected_return"] = float(turn_returns.nanmean())
-        if len(rewards) > 1:
-            metrics["return_mean"] = float(tree_returns(rewards, self.args.discount, rollout.parents())[0].nanmean())
+        discounted = [tree_returns(rewards, self.args.discount, rollout.parents())[0]] if len(rewards) > 1 else []
+        lengths = [torch.cat([turn.generations[agent].lengths().float() for turn in rollout.turns])
+                   for agent in range(self.num_agents)]
+        means = pooled_means([*rewards, *undiscounted, *discounted, *lengths], total)
+        turns = len(rewards)
+        metrics = {"reward_mean": means[0], "reward_std": pooled_std(rewards[0], means[0], total)}
+        for turn in range(turns):
+            metrics[f"turn_{turn + 1}/reward_mean"] = means[turn]
+            metrics[f"turn_{turn + 1}/expected_return"] = means[turns + turn]
+        if discounted:
+            metrics["return_mean"] = means[2 * turns]
         for agent in range(self.num_agents):
-            lengths = torch.cat([turn.generations[agent].lengths().float() for turn in rollout.turns])
-            metrics[f"agent_{agent}/completion_length"] = float(lengths.mean())
+            metrics[f"agent_{agent}/completion_length"] = means[2 * turns + len(discounted) + agent]
         if self.metrics_callback is not None:
             metrics.update(self.callback_metrics(rollout, rewards))
         return metrics
@@ -555,17 +561,23 @@ class MultiAgentTrainer(EpochSteps):
 
     def logged_eval_metrics(self, rollout: Rollout) -> dict[str, Any]:
         """``eval_aggregator(eval_logger(...), num_turns=...)`` on one path per row (the first joint sample
-        of every turn), called as 1.4.3 called them."""
+        of every turn, until its episode ends), called as 1.4.3 called them."""
         joint = rollout.joint_index
         completions: list[list[list[str]]] = [[[] for _ in rollout.rows] for _ in range(self.num_agents)]
         for row in range(len(rollout.rows)):
             node = row
-            for turn in rollout.turns:
+            for turn_number, turn in enumerate(rollout.turns):
                 per_node = turn.generations[0].num_generations
                 for agent in range(self.num_agents):
                     index = node * per_node + int(joint[0, agent])
                     completions[agent][row].append(turn.generations[agent].texts[index])
-                node = node * rollout.num_joint  # the child of the first joint sample
+                if turn_number + 1 == len(rollout.turns):
+                    break
+                first = node * rollout.num_joint  # the node's first joint sample, whose child is logged next
+                spawned = rollout.turns[turn_number + 1].parents  # None: sample k spawned node k
+                if spawned is not None and first not in spawned:
+                    break  # its episode ended at this turn (early termination)
+                node = first if spawned is None else spawned.index(first)
         prompts = [row.get("prompt", "") if isinstance(row, dict) else "" for row in rollout.rows]
         detailed = self.eval_logger(agent_completions_turns=completions, batch_items=list(rollout.rows),
                                     prompts=prompts)

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from comlrl.callbacks import dispatch
 from comlrl.data import batches, epoch_order
 from comlrl.errors import TrainingInterrupted
@@ -181,6 +183,7 @@ class EpochSteps(TrainingLoop):
     def begin_step(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The values a step's stages read and write, starting from the batch's rows."""
         self.reward.drain_monitor_metrics()  # discard what evaluation may have left
+        self.__dict__["dropped_before_step"] = self.reward.dropped  # the same on every process (dropped_so_far)
         return {"rows": rows, "step_started": time.perf_counter(), "timings": {}}
 
     def run_stage(self, stage: Stage, values: dict[str, Any]) -> Any:
@@ -205,11 +208,23 @@ class EpochSteps(TrainingLoop):
             self.run_stage(stage, values)
         return self.step_metrics(values)
 
+    def dropped_so_far(self) -> int:
+        """Training's samples whose reward was dropped, up to this step, over every process: under data
+        parallelism each process counts its own share of a step, so the step's counts are summed over the
+        processes and every process keeps that total (the one a checkpoint saves), from which the next
+        step's counts start."""
+        before = self.__dict__.get("dropped_before_step")
+        if self.data_parallel.enabled and before is not None:
+            step = self.data_parallel.all_sum(torch.tensor([float(self.reward.dropped - before)]))
+            self.reward.dropped = self.__dict__["dropped_before_step"] = before + int(step.item())
+        return self.reward.dropped
+
     def record_step(self, metrics: dict[str, float], window: MetricWindow, progress: Any = None) -> None:
         """Count a finished step: monitor metrics, progress, history, callbacks, periodic evaluation;
         then honour a stop request (:class:`~comlrl.errors.TrainingInterrupted`)."""
         metrics.update(self.reward.drain_monitor_metrics())
-        metrics.update({"reward/dropped": float(self.reward.dropped), "nonfinite_updates": float(self.state.nonfinite_updates)})
+        metrics.update({"reward/dropped": float(self.dropped_so_far()),
+                        "nonfinite_updates": float(self.state.nonfinite_updates)})
         metrics = self.data_parallel.average_metrics(metrics)
         metrics.update(device_memory_metrics(self.model_devices()))
         self.state.step_in_epoch += 1

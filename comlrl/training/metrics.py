@@ -1,10 +1,37 @@
-"""Averaging per-step metrics over a logging window."""
+"""A step's statistics over every process's samples, and averaging per-step metrics over a logging window."""
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Collection, Iterable
+from typing import Callable, Collection, Iterable, Sequence
+
+import torch
+
+Total = Callable[[torch.Tensor], torch.Tensor]  # a tensor summed over the processes (itself in one process)
+
+
+def this_process(sums: torch.Tensor) -> torch.Tensor:
+    """The :data:`Total` of one process (or of statistics every process computes over the same samples)."""
+    return sums
+
+
+def pooled_means(series: Sequence[torch.Tensor], total: Total = this_process) -> list[float]:
+    """The mean of each tensor's values that are not NaN (a dropped sample), over every process's values:
+    ``total`` sums each series' count and sum over the processes in one collective. NaN for a series
+    without a value on any process."""
+    sums = torch.tensor([[float((~torch.isnan(values)).sum()), float(values.double().nansum())] for values in series],
+                        dtype=torch.float64).reshape(-1, 2)
+    return [first / count if count else math.nan for count, first in total(sums).tolist()]
+
+
+def pooled_std(values: torch.Tensor, mean: float, total: Total = this_process) -> float:
+    """The population standard deviation of ``values`` that are not NaN, over every process's values, around
+    their pooled ``mean`` (:func:`pooled_means`). NaN without a value."""
+    kept = values[~torch.isnan(values)].double()
+    count, squares = total(torch.tensor([float(kept.numel()), float((kept - mean).square().sum())],
+                                        dtype=torch.float64)).tolist()
+    return math.sqrt(squares / count) if count else math.nan
 
 # Per-step counts (0 or 1 a step) that a window reports as totals: how many of its steps, not their share.
 COUNTERS = frozenset({"dpo/steps_without_pairs"})

@@ -32,6 +32,7 @@ from comlrl.algorithms.losses import value_loss
 from comlrl.rollout.episodes import Rollout
 from comlrl.models.export import save_pretrained_models, save_value_head
 from comlrl.parallel.memory import enable_gradient_checkpointing
+from comlrl.training.metrics import Total, pooled_means, this_process
 from comlrl.training.policy_update import backpropagate, dropout_disabled, policy_losses
 from comlrl.training.reference import ReferenceTerms
 from comlrl.trainers.actor_critic.config import ActorCriticConfig
@@ -357,20 +358,29 @@ class ActorCriticTrainer(MultiAgentTrainer):
     ) -> Iterator[torch.Tensor]:
         """One critic's (optionally clipped) MSE per turn, over the turns (their sum is its loss), yielded one
         at a time for the caller's backward. The forward and backward passes run with dropout off, as
-        :meth:`values` (the rollout-time values the clipping refers to) runs in eval mode."""
+        :meth:`values` (the rollout-time values the clipping refers to) runs in eval mode.
+
+        A turn's MSE is over its samples with a target (a dropped reward has none). Under data parallelism
+        the processes' gradients are averaged, and their counts of such samples can differ: each process's
+        MSE is weighted by its count over the processes' mean count, so that the step is the one a single
+        process takes over the whole batch."""
         num_turns = len(inputs)
+        episodes = [rows[turn] if rows is not None else slice(None) for turn in range(num_turns)]  # each turn's rows
+        valid = [~torch.isnan(returns[episodes[turn], turn]) for turn in range(num_turns)]  # dropped rewards: NaN
+        counts = [int(turn_valid.sum()) for turn_valid in valid]
+        mean_counts = self.data_parallel.mean_counts(counts)
         with dropout_disabled(model):  # backward too: a checkpointed layer recomputes in the same mode
             for turn, turn_input in enumerate(inputs):
                 values = sequence_values(model, turn_input.input_ids, turn_input.attention_mask)
-                episodes = rows[turn] if rows is not None else slice(None)  # the episodes of this turn's rows
-                targets = returns[episodes, turn].to(values.device)
-                valid = ~torch.isnan(targets)  # dropped rewards
-                if not bool(valid.any()):
+                if counts[turn] == 0:
                     if sharding.holds_shards(model):  # a zero backward: every rank joins the same reduce-scatters
                         yield values.sum() * 0.0
                     continue
-                yield value_loss(values[valid], targets[valid], old_values[episodes, turn].to(values.device)[valid],
-                                 self.args.value_clip_range) / num_turns
+                kept = valid[turn].to(values.device)
+                targets = returns[episodes[turn], turn].to(values.device)[kept]
+                loss = value_loss(values[kept], targets, old_values[episodes[turn], turn].to(values.device)[kept],
+                                  self.args.value_clip_range)
+                yield loss * (counts[turn] / mean_counts[turn]) / num_turns
 
     @staticmethod
     def _with_head(model: Any) -> torch.nn.Module:
@@ -393,8 +403,8 @@ class ActorCriticTrainer(MultiAgentTrainer):
         step_time = time.perf_counter() - values["step_started"]
         rollout = values["rollout"]
         metrics = dict(values["update_metrics"])
-        metrics.update(self.rollout_metrics(rollout, values["rewards"]))
-        metrics.update(self.critic_metrics(values["values"], values["estimates"]))
+        metrics.update(self.rollout_metrics(rollout, values["rewards"], self.data_parallel.all_sum))
+        metrics.update(self.critic_metrics(values["values"], values["estimates"], self.data_parallel.all_sum))
         metrics.update(self.reference_metrics(values.get("reference")))
         metrics.update(
             step_time=step_time,
@@ -404,12 +414,18 @@ class ActorCriticTrainer(MultiAgentTrainer):
         return metrics
 
     # ----- metrics and evaluation ---------------------------------------------------------------
-    def critic_metrics(self, values: list[torch.Tensor], estimates: Estimates) -> dict[str, float]:
-        """Per value model: mean value, and mean absolute error to its target (how well it predicts)."""
+    def critic_metrics(self, values: list[torch.Tensor], estimates: Estimates, total: Total = this_process
+                       ) -> dict[str, float]:
+        """Per value model: mean value, and mean absolute error to its target (how well it predicts), over
+        every process's samples (``total``: see :meth:`~comlrl.trainers.base.MultiAgentTrainer.rollout_metrics`)."""
+        names = self.value_model_names()
+        series = [s for model_values, returns in zip(values, estimates.returns)
+                  for s in (model_values, (returns - model_values).abs())]
+        means = pooled_means(series, total)
         metrics = {}
-        for name, model_values, returns in zip(self.value_model_names(), values, estimates.returns):
-            metrics[f"{name}/value_mean"] = float(model_values.nanmean())
-            metrics[f"{name}/value_error"] = float((returns - model_values).abs().nanmean())
+        for index, name in enumerate(names):
+            metrics[f"{name}/value_mean"] = means[2 * index]
+            metrics[f"{name}/value_error"] = means[2 * index + 1]
         return metrics
 
     # ----- checkpoints and export ---------------------------------------------------------------

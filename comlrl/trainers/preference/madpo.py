@@ -186,7 +186,7 @@ class MADPOTrainer(MultiAgentTrainer):
         step_time = time.perf_counter() - values["step_started"]
         rollout = values["rollout"]
         metrics = dict(values["update_metrics"])
-        metrics.update(self.rollout_metrics(rollout, values["rewards"]))
+        metrics.update(self.rollout_metrics(rollout, values["rewards"], self.data_parallel.all_sum))
         metrics.update(
             step_time=step_time,
             **{name: values["timings"].get(name, 0.0) for name in ("generation_time", "reward_time", "update_time")},

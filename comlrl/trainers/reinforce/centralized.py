@@ -26,6 +26,7 @@ from comlrl.trainers.inputs import TrainerInputs, Unpack
 from comlrl.trainers.config import reward_call_policy
 from comlrl.trainers.reinforce.centralized_config import CentralizedMAGRPOConfig
 from comlrl.trainers.reinforce.magrpo import MAGRPOTrainer
+from comlrl.training.metrics import Total, pooled_means, this_process
 from comlrl.tokenizers import encode
 
 
@@ -122,10 +123,11 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
             scores.append(reward(responses, rows).reshape(turn.num_nodes, rollout.num_joint))
         return scores
 
-    def rollout_metrics(self, rollout: Rollout, rewards: list[torch.Tensor]) -> dict[str, float]:
+    def rollout_metrics(self, rollout: Rollout, rewards: list[torch.Tensor], total: Total = this_process
+                        ) -> dict[str, float]:
         """MAGRPO's metrics with the roles in the agents' places: ``agent_<role>/completion_length`` is the
         role's parsed response in tokens; plus ``joint/completion_length`` and ``collaboration/parse_error_rate``."""
-        metrics = super().rollout_metrics(rollout, rewards)
+        metrics = super().rollout_metrics(rollout, rewards, total)
         metrics["joint/completion_length"] = metrics.pop("agent_0/completion_length")
         texts: list[str] = []
         rows: list[Any] = []
@@ -134,10 +136,13 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
             texts += generation.texts
             rows += [rollout.rows[row] for row in turn.node_rows for _ in range(generation.num_generations)]
         responses, failed = split_completions(self.collaboration, texts, rows, self.args.parse_failure)
-        metrics["collaboration/parse_error_rate"] = sum(failed) / len(failed)
-        for role, role_texts in enumerate(responses):
-            lengths = [len(ids) for ids in encode(self.tokenizers[0], role_texts, add_special_tokens=False)["input_ids"]]
-            metrics[f"agent_{role}/completion_length"] = sum(lengths) / len(lengths)
+        lengths = [torch.tensor([float(len(ids)) for ids in
+                                 encode(self.tokenizers[0], role_texts, add_special_tokens=False)["input_ids"]])
+                   for role_texts in responses]
+        failed_share, *role_lengths = pooled_means([torch.tensor([float(f) for f in failed]), *lengths], total)
+        metrics["collaboration/parse_error_rate"] = failed_share
+        for role, role_length in enumerate(role_lengths):
+            metrics[f"agent_{role}/completion_length"] = role_length
         return metrics
 
     def compat_settings(self) -> dict[str, Any]:

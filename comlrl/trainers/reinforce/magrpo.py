@@ -188,7 +188,7 @@ class MAGRPOTrainer(MultiAgentTrainer):
         step_time = time.perf_counter() - values["step_started"]
         rollout = values["rollout"]
         metrics = dict(values["update_metrics"])
-        metrics.update(self.rollout_metrics(rollout, values["rewards"]))
+        metrics.update(self.rollout_metrics(rollout, values["rewards"], self.data_parallel.all_sum))
         metrics.update(self.reference_metrics(values.get("reference")))
         metrics.update(self.group_metrics(values["zero_variance"]))
         metrics.update(
