@@ -40,7 +40,9 @@ class TaggedCentralizedComparatorAdapter:
                 f"{TaggedCollaboration(len(agent_prompts)).answer_instructions()}\n")
 
     def parse_completion(self, completion: str, batch_item: Any, num_agents: int) -> list[str]:
-        return TaggedCollaboration(num_agents).parse_completion(completion, batch_item, num_agents)
+        """The agents' sections of ``completion``; ``batch_item`` is not read."""
+        del batch_item
+        return TaggedCollaboration(num_agents).parse_completion(completion)
 
 
 __all__ = ["CentralizedComparatorAdapter", "CentralizedComparatorParseError", "TaggedCentralizedComparatorAdapter"]
