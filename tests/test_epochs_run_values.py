@@ -470,8 +470,8 @@ def test_a_failure_before_the_update_is_checkpointed_and_its_resume_repeats_the_
     assert all(torch.equal(a[k], b[k]) for a, b in zip(weights(resumed), weights(whole)) for k in a)
 
 
-def test_a_failure_inside_an_update_writes_nothing_and_says_so(tiny_llama, tmp_path, caplog):
-    trainer = build(tiny_llama, num_train_epochs=1)
+def fail_inside_updates(trainer) -> dict:
+    """Once ``armed["on"]`` is set, agent 0's forward with gradients (an update's, not a rollout's) raises."""
     armed = {"on": False}
 
     def hook(module, inputs, output):
@@ -479,6 +479,12 @@ def test_a_failure_inside_an_update_writes_nothing_and_says_so(tiny_llama, tmp_p
             raise RuntimeError("injected failure inside an update")
 
     trainer.agents[0].lm_head.register_forward_hook(hook)
+    return armed
+
+
+def test_a_failure_inside_an_update_writes_nothing_and_says_so(tiny_llama, tmp_path, caplog):
+    trainer = build(tiny_llama, num_train_epochs=1)
+    armed = fail_inside_updates(trainer)
     with caplog.at_level(logging.ERROR, logger="comlrl.training.run"):
         with pytest.raises(RuntimeError, match="injected"):
             with trainer.start_run(checkpoint_dir=tmp_path, progress_bar=False) as run:
@@ -814,13 +820,7 @@ def test_a_failure_in_an_evaluation_is_checkpointed_with_the_evaluation_left_to_
 
 def test_a_failure_inside_an_update_after_a_checkpoint_names_that_checkpoint(tiny_llama, tmp_path, caplog):
     trainer = build(tiny_llama, num_train_epochs=2)
-    armed = {"on": False}
-
-    def hook(module, inputs, output):
-        if torch.is_grad_enabled() and armed["on"]:
-            raise RuntimeError("injected failure inside an update")
-
-    trainer.agents[0].lm_head.register_forward_hook(hook)
+    armed = fail_inside_updates(trainer)
     with caplog.at_level(logging.ERROR, logger="comlrl.training.run"):
         with pytest.raises(RuntimeError, match="injected"):
             with trainer.start_run(checkpoint_dir=tmp_path, progress_bar=False) as run:
