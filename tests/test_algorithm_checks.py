@@ -193,6 +193,7 @@ def test_dropout_disabled_keeps_gradient_checkpointing():
 
 def test_critic_loss_runs_without_dropout():
     """The value loss compares the critic with the eval-mode values of rollout time, and is deterministic."""
+    from comlrl.parallel.distributed import DataParallel
     from comlrl.training.policy_update import backpropagate
     from comlrl.trainers.actor_critic.critics import CriticInput
     from comlrl.models.value_heads import attach_value_head, sequence_values
@@ -208,7 +209,7 @@ def test_critic_loss_runs_without_dropout():
         rollout_values = sequence_values(model, ids, mask)
     model.train()
     returns = torch.tensor([[1.0], [2.0]])
-    stub = SimpleNamespace(args=IACConfig())
+    stub = SimpleNamespace(args=IACConfig(), data_parallel=DataParallel())  # one process
     losses = [backpropagate(ActorCriticTrainer.critic_losses(stub, model, [CriticInput(ids, mask)], returns,
                                                              rollout_values.unsqueeze(1))) for _ in range(2)]
     expected = float(((rollout_values - returns[:, 0]) ** 2).mean())
