@@ -24,6 +24,8 @@ def test_one_process_means_leave_out_dropped_samples():
     means = pooled_means([torch.tensor([1.0, NAN, 3.0]), torch.tensor([NAN, NAN]), torch.tensor([2.5])])
     assert means[0] == 2.0 and math.isnan(means[1]) and means[2] == 2.5
     assert pooled_means([]) == []
+    # The sums travel in float64: a float32 sum would round 100000001 to 100000000.
+    assert pooled_means([torch.tensor([100000001.0, NAN], dtype=torch.float64)]) == [100000001.0]
     assert pooled_std(torch.tensor([1.0, NAN, 3.0]), 2.0) == 1.0  # population: sqrt((1 + 1) / 2)
     assert math.isnan(pooled_std(torch.tensor([NAN]), NAN))
     assert this_process(torch.ones(2)).tolist() == [1.0, 1.0]

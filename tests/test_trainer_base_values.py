@@ -272,6 +272,35 @@ def test_evaluate_leaves_dropped_rewards_out_and_counts_them(tiny_llama):
     assert trainer.reward.dropped == 0  # training's count never holds an evaluation's drops
 
 
+def test_three_turn_evaluation_gives_each_turn_its_own_expected_return(tiny_llama):
+    def transition(prompt, agent_completions, num_agents, **_):
+        return [f"on {agent}: {agent_completions[agent][:2]}" for agent in range(num_agents)]
+
+    data = rows(1)
+    trainer = build(tiny_llama, rows(1), eval_dataset=data, external_transition=transition,
+                    config=dict(num_turns=3, discount=0.5, eval_num_samples=1))
+    metrics = trainer.evaluate()
+    rollout = rollout_as_evaluated(trainer, data, 1)
+    rewards = [joint_rewards(rollout, turn) for turn in range(3)]
+
+    def returns_from(turn: int, later: torch.Tensor) -> torch.Tensor:
+        """Turn ``turn``'s undiscounted returns: each joint sample's reward plus the mean return (``later``, one row
+        per node of the next turn) of the node it spawned."""
+        parents = rollout.parents()[turn + 1] or list(range(later.shape[0]))
+        spawned = {parent: later[node].mean() for node, parent in enumerate(parents)}
+        flat = rewards[turn].flatten()
+        return torch.stack([flat[k] + spawned[k] for k in range(flat.numel())]).reshape(rewards[turn].shape)
+
+    second_returns = returns_from(1, rewards[2])
+    first_returns = returns_from(0, second_returns)
+    expected = {"eval/turn_1/expected_return": first_returns.mean(),
+                "eval/turn_2/expected_return": second_returns.mean(),
+                "eval/turn_3/expected_return": rewards[2].mean(), "eval/turn_3/reward_mean": rewards[2].mean()}
+    assert len({round(float(v), 6) for v in expected.values()}) >= 3  # the turns' numbers differ
+    for name, value in expected.items():
+        assert math.isclose(metrics[name], float(value), rel_tol=1e-5), name
+
+
 def test_two_turn_evaluation_sums_the_returns_over_the_tree(tiny_llama):
     def transition(prompt, agent_completions, num_agents, **_):
         return [f"again {agent}: {agent_completions[agent][:3]}" for agent in range(num_agents)]
@@ -291,7 +320,8 @@ def test_two_turn_evaluation_sums_the_returns_over_the_tree(tiny_llama):
     discounted = torch.stack([first.flatten()[k] + 0.5 * children[k] for k in range(4)])
     expected = {"eval/turn_1/reward_mean": first.mean(), "eval/turn_2/reward_mean": second.mean(),
                 "eval/turn_1/expected_return": undiscounted.mean(), "eval/turn_2/expected_return": second.mean(),
-                "eval/return_mean": discounted.mean(), "eval/reward_mean": first.mean()}
+                "eval/return_mean": discounted.mean(), "eval/reward_mean": first.mean(),
+                "eval/reward_std": first.std(unbiased=False)}
     for name, value in expected.items():
         assert math.isclose(metrics[name], float(value), rel_tol=1e-5), name
     # the callback's samples: a first-turn completion's return is its reward plus half its child node's mean
