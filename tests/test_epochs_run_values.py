@@ -723,29 +723,19 @@ def test_a_stop_that_came_while_a_middle_boundary_was_saved_names_it(tiny_llama,
     assert sorted(p.name for p in (tmp_path / "second").glob("checkpoint-*")) == ["checkpoint-1"]
 
 
-def test_a_stop_that_came_while_the_final_checkpoint_was_written_is_raised_by_finish(tiny_llama, tmp_path):
-    trainer = build(tiny_llama, num_train_epochs=3)
-    run = trainer.start_run(checkpoint_dir=tmp_path, checkpoint_interval=2, progress_bar=False)
+@pytest.mark.parametrize("epochs, interval", [(3, 2), (2, 1)], ids=["final-save-off-the-interval", "on-the-interval"])
+def test_a_stop_that_came_while_the_last_checkpoint_was_written_is_raised_by_finish_naming_it(tiny_llama, tmp_path,
+                                                                                               epochs, interval):
+    trainer = build(tiny_llama, num_train_epochs=epochs)
+    run = trainer.start_run(checkpoint_dir=tmp_path, checkpoint_interval=interval, progress_bar=False)
     run.run_all()
     run.request.signal_name = "SIGTERM"
     with pytest.raises(TrainingInterrupted) as stopped:
         run.finish()
-    final = tmp_path / "checkpoint-3"
-    assert str(stopped.value) == (f"SIGTERM received while {final} was written: training is complete and saved; the "
-                                  "run stopped before its end (resuming from that checkpoint only ends it)")
-    assert stopped.value.checkpoint == str(final)
-
-
-def test_a_stop_that_came_after_the_last_checkpoint_is_raised_by_finish_naming_it(tiny_llama, tmp_path):
-    trainer = build(tiny_llama, num_train_epochs=2)
-    run = trainer.start_run(checkpoint_dir=tmp_path, checkpoint_interval=1, progress_bar=False)
-    run.run_all()
-    run.request.signal_name = "SIGTERM"
-    with pytest.raises(TrainingInterrupted) as stopped:
-        run.finish()
-    last = tmp_path / "checkpoint-2"
+    last = tmp_path / f"checkpoint-{epochs}"
     assert str(stopped.value) == (f"SIGTERM received while {last} was written: training is complete and saved; the "
                                   "run stopped before its end (resuming from that checkpoint only ends it)")
+    assert stopped.value.checkpoint == str(last)
 
 
 def test_a_stop_without_a_checkpoint_directory_is_logged_without_a_resume_path(tiny_llama, caplog):
