@@ -33,6 +33,7 @@ def pooled_std(values: torch.Tensor, mean: float, total: Total = this_process) -
                                         dtype=torch.float64)).tolist()
     return math.sqrt(squares / count) if count else math.nan
 
+
 # Per-step counts (0 or 1 a step) that a window reports as totals: how many of its steps, not their share.
 COUNTERS = frozenset({"dpo/steps_without_pairs"})
 
