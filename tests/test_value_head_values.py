@@ -100,9 +100,36 @@ def test_distinct_values_tell_masks_apart(tiny_llama):
     torch.testing.assert_close(values, alone, rtol=0, atol=1e-5)
     assert values[0] == values[3] and abs(float(values[0] - values[1])) > 1e-4
     assert not values.requires_grad
-    same = distinct_sequence_values(model, ids[:3], mask[:3])  # no repeats: one plain pass
+    same = distinct_sequence_values(model, ids[:3], mask[:3])  # no repeats: every row valued once, in its place
     torch.testing.assert_close(same, alone[:3], rtol=0, atol=1e-5)
     assert not same.requires_grad
+
+
+def test_distinct_values_take_a_float_or_bool_mask(tiny_llama):
+    """A float mask (as some collators give) or a bool one: the ids stay token ids and every repeat still takes
+    its first copy's value, the value of the int mask's row."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    randomised(attach_value_head(model), seed=6)
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10], [5, 6, 7]])
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 1, 1]])
+    alone = torch.cat([sequence_values(model, ids[i:i + 1], mask[i:i + 1]) for i in range(3)]).detach()
+    for dtype in (torch.float32, torch.bool):
+        values = distinct_sequence_values(model, ids, mask.to(dtype))
+        torch.testing.assert_close(values, alone, rtol=0, atol=1e-5)
+
+
+def test_a_critic_forward_keeps_no_key_value_cache(tiny_llama):
+    """Valuing a batch never asks the backbone for a cache of keys and values (memory a critic would hold for
+    nothing): the backbone is called with ``use_cache=False``, once per distinct batch."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    attach_value_head(model)
+    seen = []
+    model.base_model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs.get("use_cache")),
+                                               with_kwargs=True)
+    ids, mask = torch.tensor([[5, 6, 7], [5, 6, 7]]), torch.tensor([[1, 1, 1], [1, 1, 1]])
+    sequence_values(model, ids, mask)
+    distinct_sequence_values(model, ids, mask)
+    assert seen == [False, False]
 
 
 def test_a_hole_in_the_mask_is_skipped_like_padding(tiny_llama):

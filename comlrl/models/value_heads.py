@@ -92,8 +92,6 @@ def distinct_sequence_values(model: PreTrainedModel, input_ids: torch.Tensor, at
     with torch.no_grad():
         rows = torch.cat([input_ids, attention_mask.to(input_ids.dtype)], dim=1)
         distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
-        if distinct.shape[0] == rows.shape[0]:
-            return sequence_values(model, input_ids, attention_mask)
         width = input_ids.shape[1]
         values = sequence_values(model, distinct[:, :width], distinct[:, width:].to(attention_mask.dtype))
         return values[inverse.to(values.device)]
