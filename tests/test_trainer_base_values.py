@@ -600,6 +600,37 @@ def test_reference_kl_metrics_are_the_mean_the_per_agent_means_and_the_penalty(t
     assert "reference_kl_mean" not in build(tiny_llama, rows(1)).train()[0]
 
 
+def completion_logprobs_by_hand(model, generation, temperature, dtype):
+    """Each completion token's log-probability under ``model``: one forward over prompt and completion (positions
+    counting real tokens), under CPU autocast to ``dtype`` when given, the logits over the temperature in float32."""
+    ids = torch.cat([generation.prompt_ids, generation.completion_ids], dim=1)
+    mask = torch.cat([generation.prompt_mask, generation.completion_mask], dim=1)
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    logits = logits[:, generation.prompt_ids.shape[1] - 1:-1].float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, generation.completion_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def test_under_bf16_mixed_the_reference_is_read_under_bf16_autocast(tiny_llama, tiny_llama_b):
+    """``precision="bf16-mixed"``: the reference's log-probabilities are those of a bf16-autocast forward (within
+    1e-4), not a float32 one (measured 1.6e-3 to 2.6e-3 away)."""
+    data = rows(2)
+    trainer = build(tiny_llama, data, config=dict(**KL, reference_model=tiny_llama_b, precision="bf16-mixed",
+                                                  temperature=0.7))
+    torch.manual_seed(0)
+    rollout = trainer.rollout([data[0], data[1]])
+    terms = trainer.reference(rollout)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_b)
+    for agent in range(2):
+        generation = rollout.turns[0].generations[agent]
+        kept = generation.completion_mask.bool()
+        read = terms.reference[agent][0][kept]
+        torch.testing.assert_close(read, completion_logprobs_by_hand(reference, generation, 0.7, torch.bfloat16)[kept],
+                                   rtol=0, atol=1e-4)
+        assert (read - completion_logprobs_by_hand(reference, generation, 0.7, None)[kept]).abs().max() > 5e-4
+
+
 # ----- the reward and the per-agent map ------------------------------------------------------------------
 def test_use_reward_swaps_the_reward_and_returns_the_old_one(tiny_llama):
     data = rows(2)
