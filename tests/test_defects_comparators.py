@@ -7,13 +7,11 @@ loses its EOS shows; the API comparator is a real HTTP endpoint on loopback serv
 
 from __future__ import annotations
 
-import json
 import logging
 import zlib
-from http.server import BaseHTTPRequestHandler
 
 import pytest
-from loopback_http import LoopbackServer
+from loopback_http import JSONEndpoint, Reply
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -129,7 +127,7 @@ def test_history_comparator_stores_the_sampled_ids(eos_llama, tmp_path):
 
 
 # ----- the API comparator against a real local endpoint --------------------------------------------
-class EndpointServer(LoopbackServer):
+class EndpointServer(JSONEndpoint):
     """An OpenAI-compatible chat endpoint on 127.0.0.1 serving a tiny model, seeded by the prompt; it reports
     ``finish_reason`` ("stop" when the completion ended in EOS, "length" when it ran out of max_tokens) unless
     ``report_finish`` is off."""
@@ -139,37 +137,25 @@ class EndpointServer(LoopbackServer):
         self.model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
         self.report_finish = True
         self.served: dict[str, list[tuple[str, bool]]] = {}
-        server = self
+        self.start()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                prompt = body["messages"][0]["content"]
-                sampling = SamplingParams(temperature=body["temperature"], top_p=body["top_p"],
-                                          max_new_tokens=body["max_tokens"])
-                generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
-                with torch.no_grad():
-                    generation = generate_completions(server.model, server.tokenizer, [prompt], body["n"], sampling,
-                                                      generator=generator)
-                finished = [ids[-1] == server.tokenizer.eos_token_id for ids in sampled_ids(generation)]
-                server.served[prompt] = list(zip(generation.texts, finished))
-                choices = []
-                for index, (text, stop) in enumerate(zip(generation.texts, finished)):
-                    choice = {"index": index, "message": {"role": "assistant", "content": text}}
-                    if server.report_finish:
-                        choice["finish_reason"] = "stop" if stop else "length"
-                    choices.append(choice)
-                data = json.dumps({"object": "chat.completion", "choices": choices}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.serve(Handler)
+    def answer(self, path: str, headers: dict[str, str], body: dict) -> Reply:
+        prompt = body["messages"][0]["content"]
+        sampling = SamplingParams(temperature=body["temperature"], top_p=body["top_p"],
+                                  max_new_tokens=body["max_tokens"])
+        generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
+        with torch.no_grad():
+            generation = generate_completions(self.model, self.tokenizer, [prompt], body["n"], sampling,
+                                              generator=generator)
+        finished = [ids[-1] == self.tokenizer.eos_token_id for ids in sampled_ids(generation)]
+        self.served[prompt] = list(zip(generation.texts, finished))
+        choices = []
+        for index, (text, stop) in enumerate(zip(generation.texts, finished)):
+            choice = {"index": index, "message": {"role": "assistant", "content": text}}
+            if self.report_finish:
+                choice["finish_reason"] = "stop" if stop else "length"
+            choices.append(choice)
+        return Reply.json({"object": "chat.completion", "choices": choices})
 
 
 @pytest.fixture(scope="module")

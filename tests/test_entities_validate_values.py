@@ -393,6 +393,79 @@ def test_each_model_is_checked_with_its_own_label(tiny_llama, tiny_gpt2, llama, 
         "the tokenizer of agent_1 has no pad token; using its EOS token '</s>'"]
 
 
+def test_a_tokenizer_object_without_an_eos_text_is_refused_by_its_words(caplog):
+    """A tokenizer object (not a transformers one) with an EOS id but no ``eos_token`` attribute: the EOS text is
+    None, and the refusal says so."""
+    with caplog.at_level(logging.WARNING, logger="comlrl.models.entities"):
+        with pytest.raises(ValueError) as error:
+            entities.prepare_tokenizer(SimpleNamespace(pad_token_id=None, eos_token_id=7), "agent_0")
+    assert str(error.value) == (
+        "the tokenizer of agent_0 (SimpleNamespace) has no pad_token_id, and setting its pad_token to the EOS token "
+        "None did not give it one; set its pad_token_id")
+    assert [r.getMessage() for r in caplog.records] == [
+        "the tokenizer of agent_0 has no pad token; using its EOS token None"]
+
+
+def test_only_template_text_is_searched_for_added_tokens():
+    """A template's name is not rendered, and no text is made up for a template that is absent, not a string, or a
+    list entry without one: a one-letter added token is found only where a template writes it."""
+    tokenizer = build_tiny_qwen2_tokenizer()
+    tokenizer.add_tokens(["X"])
+    vocab = tokenizer.get_vocab()
+    start, end, x = vocab["<|im_start|>"], vocab["<|im_end|>"], vocab["X"]
+    tokenizer.chat_template = [{"name": "<|im_start|>", "template": "<|im_end|>"}]
+    assert entities.chat_template_tokens(tokenizer) == {end: "<|im_end|>"}
+    for template in (None, 5, [{"name": "b"}], [{"name": "b"}, "<|im_start|>"], {"a": None}):
+        tokenizer.chat_template = template
+        expected = {start: "<|im_start|>"} if template == [{"name": "b"}, "<|im_start|>"] else {}
+        assert entities.chat_template_tokens(tokenizer) == expected, template
+    tokenizer.chat_template = "say X"
+    assert entities.chat_template_tokens(tokenizer) == {x: "X"}
+
+
+def test_a_tokenizer_object_that_tells_only_its_special_ids(llama):
+    """No ``vocab_size`` and no ``added_tokens_decoder``: checked on the special ids it has."""
+    model = llama[0]
+    entities.check_tokenizer_fits(model, SimpleNamespace(pad_token_id=0, eos_token_id=95, bos_token_id=None), "agent_0")
+    with pytest.raises(ValueError) as error:
+        entities.check_tokenizer_fits(model, SimpleNamespace(pad_token_id=0, eos_token_id=96, bos_token_id=None),
+                                      "agent_0")
+    assert str(error.value).startswith("the eos token None (id 96) of the tokenizer given for agent_0 has no embedding "
+                                       "row: the model")
+
+
+@pytest.fixture
+def remote_code(tmp_path) -> str:
+    """A model directory whose config and tokenizer name code of their own, which raises if it is ever run."""
+    directory = tmp_path / "remote"
+    directory.mkdir()
+    auto_map = {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel",
+                "AutoTokenizer": ["custom.CustomTokenizer", None]}
+    (directory / "config.json").write_text(json.dumps({"model_type": "comlrl_remote", "auto_map": auto_map}))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "CustomTokenizer",
+                                                                 "auto_map": auto_map}))
+    (directory / "custom.py").write_text('raise RuntimeError("the directory\'s own code ran")\n')
+    return str(directory)
+
+
+def test_a_directory_with_its_own_code_is_refused_without_running_it_or_asking(remote_code, llama, capsys):
+    """By default nothing a model directory ships is run, and nobody is asked on the terminal (transformers asks
+    when ``trust_remote_code`` is left unset): each loader refuses with its words and the directory named."""
+    tokenizer_words = f"could not load a tokenizer from {remote_code!r}: "
+    model_words = f"could not load a causal language model from {remote_code!r}: "
+    attempts = [
+        (lambda: entities.load_tokenizer(remote_code), tokenizer_words),
+        (lambda: entities.load_causal_lm(remote_code, CPU, torch.float32), model_words),
+        (lambda: entities.resolve_tokenizers([remote_code], None, False, True, "MAGRPOTrainer"), tokenizer_words),
+        (lambda: entities.load_models([remote_code], [llama[1]], CPU, torch.float32), model_words),
+    ]
+    for attempt, words in attempts:
+        with pytest.raises(ValueError) as error:
+            attempt()
+        assert str(error.value).startswith(words) and "trust_remote_code=True" in str(error.value)
+        assert capsys.readouterr().out == "", "nothing is asked on the terminal"
+
+
 # ===== checkpoints =================================================================================
 @pytest.fixture(scope="module")
 def run(tiny_llama, tmp_path_factory):
@@ -1324,3 +1397,39 @@ def test_the_metadata_is_checked_against_the_resuming_trainers_progress(checkpoi
     with pytest.raises(CheckpointError) as info:
         validate.check_metadata(checkpoint, staged, True, MAGRPOTrainer())
     assert info.value.problem == "state.boundaries (1) is not iteration x 2 + stage (iteration 0, stage 2)"
+
+
+def test_the_mask_is_long_whatever_the_ids_dtype():
+    ids = torch.tensor([[5, 2, 7]], dtype=torch.int32)
+    for eos in (None, 2):
+        mask = generation.completion_mask(ids, eos)
+        assert mask.dtype == torch.long and mask.tolist() == ([[1, 1, 1]] if eos is None else [[1, 1, 0]])
+
+
+def test_a_context_of_one_position_counts():
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1, n_positions=64))
+    assert generation.context_length(model) == 1
+    assert generation.context_length(SimpleNamespace(config=SimpleNamespace(max_position_embeddings=0,
+                                                                            n_positions=64))) == 64
+
+
+def test_prompts_are_encoded_without_the_tokenizers_own_special_tokens(tiny_llama):
+    """A tokenizer that adds a BOS when asked: the prompt IDs are the text's tokens alone, as a decode by hand feeds
+    them."""
+    from tokenizers import processors
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    bos = tokenizer.bos_token_id
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    assert tokenizer(PROMPTS[0])["input_ids"][0] == bos, "the tokenizer must add its BOS for this test"
+    ids, mask = generation.encode_prompts(tokenizer, PROMPTS, CPU)
+    expected_ids, expected_mask = padded_left(tokenizer, PROMPTS)
+    assert torch.equal(ids, expected_ids) and torch.equal(mask, expected_mask)
+
+
+def test_a_single_id_is_one_row():
+    with pytest.raises(ValueError) as error:
+        generation.check_ids_in_range(torch.tensor(7), 5, "completion")
+    assert str(error.value).startswith("completion row 0 contains token id 7 (1 out-of-range id(s) in all), but the "
+                                       "model embeds only 5 tokens (ids 0..4)")
+    generation.check_ids_in_range(torch.tensor(4), 5)

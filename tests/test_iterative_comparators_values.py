@@ -11,21 +11,18 @@ import logging
 import math
 import shutil
 import socket
-import threading
-import time
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
-from loopback_http import LoopbackServer
+from loopback_http import JSONEndpoint, Reply
 from tokenizers.processors import TemplateProcessing
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from comlrl.data import format_prompt
 from comlrl.rollout import preferences
-from comlrl.rollout.collaboration import build_adapter
+from comlrl.rollout.collaboration import as_adapter, build_adapter
 from comlrl.rollout.generation import Generation
 from comlrl.tasks.letters import letters_reward
 from comlrl.trainers.preference import MADPOConfig, MADPOIterConfig, MADPOIterTrainer
@@ -35,7 +32,6 @@ from comlrl.utils import set_reward_range
 from test_iterative import PROMPTS, TINY, build
 
 ROWS = [{"prompt": p} for p in PROMPTS]
-SERVER_SLEEP = time.sleep  # the server's own delays, not the client's recorded backoff
 
 
 # ----- the token IDs a comparator stores ---------------------------------------------------------------
@@ -69,6 +65,23 @@ def test_text_ids_tokenize_each_text_alone_and_append_eos_where_it_finished(tiny
     tokenizer.backend_tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 1)])
     assert tokenizer("cat sun")["input_ids"] == [1] + expected[0][:-1]  # this tokenizer adds a BOS...
     assert cmp.text_ids(tokenizer, texts[:1], [False]) == [expected[0][:-1]]  # ...which a completion does not get
+
+
+class SeveralEOS:
+    """A tokenizer object whose ``eos_token_id`` is a list of two IDs (the agent's EOS first)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = [tokenizer.eos_token_id, 5]
+
+    def __call__(self, text, **options):
+        return self.tokenizer(text, **options)
+
+
+def test_text_ids_end_a_finished_text_with_the_first_of_several_eos(tiny_llama):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert cmp.text_ids(SeveralEOS(tokenizer), ["cat sun"], [True]) == [
+        tokenizer("cat sun", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]]
 
 
 class NoVocabulary:
@@ -109,6 +122,9 @@ def test_comparator_devices_one_per_agent():
     assert cmp.comparator_devices("cpu", agents) == [cpu, cpu]
     assert cmp.comparator_devices("cpu", [cpu, cpu, cpu]) == [cpu, cpu, cpu]
     assert cmp.comparator_devices(["cpu", "cpu"], agents) == [cpu, cpu]
+    meta = torch.device("meta")  # a device other than the agents' (on any machine)
+    assert cmp.comparator_devices("meta", agents) == [meta, meta]
+    assert cmp.comparator_devices(["cpu", "meta"], agents) == [cpu, meta]
 
 
 # ----- the endpoint's settings ------------------------------------------------------------------------
@@ -131,6 +147,7 @@ def test_api_settings_from_the_config(monkeypatch):
     assert (plain.url, plain.model, plain.headers, plain.extra_body, plain.max_n_per_request) == (
         "http://host:8/v1/completions", None, {"Content-Type": "application/json"}, {}, None)
     assert (plain.timeout, plain.retries, plain.retry_backoff, plain.concurrency) == (120.0, 2, 1.0, 4)
+    assert cmp.APISettings.from_config(api_config("http://host:8/apiX/")).url == "http://host:8/apiX/chat/completions"
     full = cmp.APISettings.from_config(api_config("http://host:8/v1/chat/completions"))
     assert full.url == "http://host:8/v1/chat/completions"  # a full endpoint is kept as given
     bare = cmp.APISettings.from_config(api_config(comparator_api_key="k2", comparator_api_key_prefix=" ",
@@ -187,42 +204,21 @@ def test_answer_choices_read_the_text_and_how_it_ended():
 
 
 # ----- a scripted endpoint on loopback ----------------------------------------------------------------
-class ScriptedServer(LoopbackServer):
-    """Answers each POST with the next scripted reply (status, body bytes, delay, cut); records every request."""
+class ScriptedServer(JSONEndpoint):
+    """Answers each POST with the next scripted reply (status, body, delay, cut); records every request."""
 
     def __init__(self) -> None:
-        self.replies: list[tuple[int, bytes, float, bool]] = []
+        self.replies: list[Reply] = []
         self.requests: list[tuple[str, dict[str, str], dict]] = []
         self.default = None  # a function of the request body giving a JSON reply when the script is empty
-        server = self
+        self.start()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append((self.path, dict(self.headers), body))
-                if server.replies:
-                    status, data, delay, cut = server.replies.pop(0)
-                else:
-                    status, data, delay, cut = 200, json.dumps(server.default(self.path, body)).encode(), 0.0, False
-                SERVER_SLEEP(delay)
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data) + (100 if cut else 0)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-                if cut:
-                    self.close_connection = True
-
-        self.serve(Handler)
+    def answer(self, path: str, headers: dict[str, str], body: dict) -> Reply:
+        self.requests.append((path, headers, body))
+        return self.replies.pop(0) if self.replies else Reply.json(self.default(path, body))
 
     def script(self, *replies) -> None:
-        self.replies = [(status, data if isinstance(data, bytes) else json.dumps(data).encode(), delay, cut)
+        self.replies = [Reply(status, data if isinstance(data, bytes) else json.dumps(data).encode(), delay, cut)
                         for status, data, delay, cut in replies]
 
 
@@ -439,8 +435,8 @@ def same(a, b) -> bool:
 def test_history_snapshots_and_the_policy_of_k_iterations_ago(tiny_llama, tmp_path):
     trainer = build(tiny_llama, comparator_policy="history", comparator_history_k=2, output_dir=str(tmp_path / "out"))
     policy, history = trainer.policy_trainer, trainer.comparator
-    assert (history.kind, history.k, history.directory, history.sources, history.models) == ("history", 2, None, [],
-                                                                                             None)
+    assert (history.kind, history.k, history.directory, history.sources, history.models, history.tokenizers) == (
+        "history", 2, None, [], None, None)  # nothing loaded before the first iteration
     with pytest.raises(RuntimeError) as error:
         history.begin(0, policy)
     assert str(error.value) == ("the history comparator has no snapshot directory (set output_dir or "
@@ -589,9 +585,10 @@ def test_a_centralized_history_comparator_loads_and_frees_its_source(tiny_llama,
 
 
 # ----- the iteration loop: prepared references and the DPO stage by hand ------------------------------
-def completion_logprob(model, tokenizer, prompt: str, completion: list[int]) -> float:
-    """log p(completion | prompt) under ``model``, summed over the completion's tokens (no padding)."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+def completion_logprob(model, tokenizer, prompt: str, completion: list[int], prompt_tokens: int | None = None) -> float:
+    """log p(completion | prompt) under ``model``, summed over the completion's tokens (no padding); with
+    ``prompt_tokens``, after the prompt's last ``prompt_tokens`` tokens only."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-(prompt_tokens or 0):]
     ids = torch.tensor([prompt_ids + completion])
     with torch.no_grad():
         logits = model(ids).logits[0].double()
@@ -902,7 +899,12 @@ def test_each_dpo_epoch_ends_with_an_optimizer_step_and_uses_the_prepared_refere
     trainer.run_next_stage()
     optimizer_steps = [component.state_dict()["steps"] for component in trainer.policy_trainer.model_optimizers.values()]
     assert optimizer_steps == [2 * -(-per_epoch // 2)] * 2
-    first = [row for row in trainer.state.history if row.get("iteration") == 0][0]
+    rows = [row for row in trainer.state.history if row.get("iteration") == 0]
+    # a row carries an optimizer step's numbers after every second micro-batch of an epoch and after its last
+    stepped = [j % 2 == 0 or j == per_epoch for _ in range(2) for j in range(1, per_epoch + 1)]
+    assert [all(f"agent_{a}/grad_norm" in row for a in range(2)) for row in rows] == stepped
+    assert all(p.grad is None for agent in trainer.agents for p in agent.parameters())  # no gradient left pending
+    first = rows[0]
     assert first["dpo/loss"] == pytest.approx(math.log1p(math.exp(-0.1 * 10.0)), abs=1e-5)
 
 
@@ -925,3 +927,189 @@ def test_evaluate_passes_its_dataset_and_counts(tiny_llama):
     torch.manual_seed(0)
     every = trainer.evaluate()
     assert runs["other"] != runs["default"] and runs["one"] != every
+
+
+# ----- the comparator's devices, its own code, a user's adapter and the policy's own centralized comparator -----
+def test_the_comparator_models_go_to_comparator_devices(tiny_llama, tmp_path):
+    cpu, meta = torch.device("cpu"), torch.device("meta")  # meta: a device other than the agents' on any machine
+    trainer = build(tiny_llama, comparator_policy="model", comparator_model_name=tiny_llama,
+                    comparator_devices=["cpu", "meta"])
+    assert [next(m.parameters()).device for m in trainer.comparator.models] == [cpu, meta]
+    assert [next(a.parameters()).device for a in trainer.policy_trainer.agents] == [cpu, cpu]
+    history = build(tiny_llama, comparator_policy="history", comparator_devices="meta", output_dir=str(tmp_path))
+    history.comparator.use_output_dir(tmp_path)
+    history.comparator.begin(0, history.policy_trainer)
+    assert [next(m.parameters()).device for m in history.comparator.models] == [meta, meta]
+    history.comparator.end()
+
+
+OWN_CODE = '''from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+
+class CustomLlamaConfig(LlamaConfig):
+    model_type = "custom_llama"
+
+
+class CustomLlamaForCausalLM(LlamaForCausalLM):
+    config_class = CustomLlamaConfig
+
+
+class CustomTokenizer(PreTrainedTokenizerFast):
+    pass
+'''
+
+
+def with_its_own_code(model_dir: str, directory: Path) -> Path:
+    """A copy of ``model_dir`` whose config, model and tokenizer classes are defined by code in the directory."""
+    shutil.copytree(model_dir, directory)
+    (directory / "custom_llama.py").write_text(OWN_CODE)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(model_type="custom_llama", auto_map={"AutoConfig": "custom_llama.CustomLlamaConfig",
+                                                        "AutoModelForCausalLM": "custom_llama.CustomLlamaForCausalLM"})
+    (directory / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((directory / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("tokenizer_class")
+    tokenizer_config["auto_map"] = {"AutoTokenizer": [None, "custom_llama.CustomTokenizer"]}
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return directory
+
+
+def test_a_comparator_model_with_its_own_code_loads_only_when_trusted(tiny_llama, tmp_path):
+    custom = str(with_its_own_code(tiny_llama, tmp_path / "custom"))
+    with pytest.raises(ValueError, match="contains custom code"):
+        build(tiny_llama, comparator_policy="model", comparator_model_name=custom)
+    with pytest.raises(ValueError, match="contains custom code"):  # not trusted unless asked
+        cmp.ModelComparator([custom], [torch.device("cpu")], torch.float32)
+    trainer = build(tiny_llama, comparator_policy="model", comparator_model_name=custom, trust_remote_code=True)
+    comparator = trainer.comparator
+    assert [type(m).__name__ for m in comparator.models] == ["CustomLlamaForCausalLM"] * 2
+    assert [type(t).__name__ for t in comparator.tokenizers] == ["CustomTokenizer"] * 2
+    assert same(agent_weights(comparator.models), agent_weights([AutoModelForCausalLM.from_pretrained(tiny_llama)] * 2))
+
+
+class Halves:
+    """A comlrl 1.4.3 collaboration adapter: the agents' prompts joined by ' | ', a joint answer split at '|'."""
+
+    def build_prompt(self, batch_item, agent_prompts):
+        return " | ".join(agent_prompts)
+
+    def parse_completion(self, completion, batch_item, num_agents):
+        return [part.strip() for part in completion.split("|")]
+
+
+def test_a_users_adapter_writes_and_splits_the_centralized_comparators_answers(tiny_llama, scripted):
+    trainer = MADPOIterTrainer(agent_model=tiny_llama, reward_func=letters_reward,
+                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                               args=MADPOIterConfig(**{**TINY, "comparator_policy": "api",
+                                                       "comparator_api_url": scripted.url,
+                                                       "comparator_generation_mode": "centralized"}),
+                               centralized_comparator_adapter=Halves())
+    policy = trainer.policy_trainer
+    scripted.default = lambda path, body: {"choices": [{"message": {"content": f"red {i} | blue {i}"}}
+                                                       for i in range(body["n"])]}
+    spec = policy.rollout_spec.replace(num_generations=2)
+    samples = trainer.comparator.sample(policy, spec, ROWS[:2], [0, 1])
+    asked = sorted(body["messages"][0]["content"] for _, _, body in scripted.requests)
+    assert asked == sorted(" | ".join(format_prompt(spec.formatters[a], row, a, label) for a in range(2))
+                           for row, label in zip(ROWS[:2], [0, 1]))
+    assert samples.texts == [["red 0", "red 1"] * 2, ["blue 0", "blue 1"] * 2]
+
+
+class Copies(Halves):
+    """Every agent's part is the whole joint answer."""
+
+    def parse_completion(self, completion, batch_item, num_agents):
+        return [completion] * num_agents
+
+
+def test_a_centralized_comparator_writes_with_its_sources_first_model_unless_told(tiny_llama, tiny_llama_b):
+    policy = build(tiny_llama).policy_trainer
+    source = cmp.ModelComparator([tiny_llama_b, tiny_llama], policy.agent_devices, torch.float32)
+    spec = policy.rollout_spec.replace(num_generations=2)
+    adapter = as_adapter(Copies(), 2)
+    texts = {}
+    for name, index in (("default", None), ("first", 0), ("second", 1)):
+        options = {} if index is None else {"source_index": index}
+        comparator = cmp.CentralizedComparator(adapter, 0, "partial", source, **options)
+        torch.manual_seed(5)
+        texts[name] = comparator.sample(policy, spec, ROWS[:2], [0, 1]).texts
+    assert texts["default"] == texts["first"] != texts["second"] and all(texts["first"][0])
+
+
+def test_the_policys_own_centralized_comparator_keeps_no_state(tiny_llama):
+    trainer = build(tiny_llama, comparator_generation_mode="centralized")
+    comparator = trainer.comparator
+    assert (comparator.kind, comparator.source) == ("centralized_current", None)
+    assert comparator.state_dict() == {} and trainer.collection.state_dict()["comparator"] == {}
+
+
+# ----- the trainer's construction, the collection's comparator, prompts cut to fit, skipped steps -------------
+def test_a_trainer_without_args_runs_the_default_config(tiny_llama):
+    trainer = MADPOIterTrainer(agent_model=tiny_llama, reward_func=letters_reward,
+                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    assert trainer.args == MADPOIterConfig() and trainer.policy_trainer.args is trainer.args
+
+
+def test_the_collection_pairs_the_policy_against_the_configured_comparator(tiny_llama, scripted):
+    trainer = build(tiny_llama, num_iterations=1, comparator_policy="api", comparator_api_url=scripted.url,
+                    comparator_num_candidates=2)
+    scripted.default = lambda path, body: {"choices": [{"message": {"content": "eeee"}, "finish_reason": "stop"}]
+                                                      * body["n"]}
+    trainer.run_next_stage()
+    assert sorted(body["n"] for _, _, body in scripted.requests) == [2] * 2 * len(PROMPTS)  # each agent, each row
+    pairs = trainer.pairs_by_iteration[0].to_list()
+    tokenizer = trainer.policy_trainer.tokenizers[0]
+    eeee = tokenizer("eeee", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert pairs and all({pair["chosen_source"], pair["rejected_source"]} == {"policy", "comparator"} for pair in pairs)
+    for pair in pairs:
+        side = "chosen" if pair["chosen_source"] == "comparator" else "rejected"
+        assert (pair[side], pair[f"{side}_ids"], pair[f"{side}_reward"]) == (["eeee", "eeee"], [eeee, eeee], 0.5)
+    assert trainer.state_dict()["reference"] is None  # a checkpoint after the collection: nothing prepared yet
+
+
+def test_prepared_references_score_the_prompt_as_sampling_cut_it(tiny_llama):
+    trainer = build(tiny_llama, num_iterations=1, max_prompt_length=3)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert all(len(tokenizer(p, add_special_tokens=False)["input_ids"]) > 3 for p in PROMPTS)
+    trainer.run_next_stage()
+    trainer.run_next_stage()
+    pairs = trainer.pairs_by_iteration[0]
+    expected = torch.tensor([[[completion_logprob(initial, tokenizer, prompts[a], ids[a], prompt_tokens=3)
+                               for prompts, ids in zip(pairs["agent_prompts"], pairs[f"{side}_ids"])]
+                              for side in ("chosen", "rejected")] for a in range(2)])
+    torch.testing.assert_close(trainer.reference, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_stored_pairs_whose_prompts_no_longer_fit_are_refused_with_prompt_overflow_error(tiny_llama):
+    collected = build(tiny_llama, num_iterations=1)
+    collected.run_next_stage()
+    stricter = build(tiny_llama, num_iterations=1, max_prompt_length=3, prompt_overflow="error")
+    stricter.load_state_dict(collected.state_dict())
+    first = stricter.pairs_by_iteration[0][0]["agent_prompts"][0]
+    length = len(AutoTokenizer.from_pretrained(tiny_llama)(first, add_special_tokens=False)["input_ids"])
+    with pytest.raises(ValueError) as error:
+        stricter.run_next_stage()
+    assert str(error.value) == (f"prompt 0 has {length} tokens but only 3 fit (context minus max_new_tokens, or "
+                                "max_prompt_length); shorten it or set prompt_overflow='truncate'")
+
+
+def test_the_stage_mean_loss_leaves_out_the_skipped_steps(tiny_llama):
+    trainer = build(tiny_llama, num_iterations=1, dpo_batch_size=3, num_train_epochs=2, max_nonfinite_updates=50)
+    trainer.run_next_stage()
+    trainer.run_next_stage()
+    trainer.reference[:, :, 0] = float("nan")  # pair 0: its micro-batch's loss is NaN, that update skipped
+    trainer.run_next_stage()
+    losses = [row["dpo/loss"] for row in trainer.state.history if row.get("iteration") == 0]
+    finite = [loss for loss in losses if math.isfinite(loss)]
+    assert len(finite) == len(losses) - 2  # one micro-batch in each of the two epochs
+    learned = trainer.state.stage_records[-1]
+    assert learned["policy/steps"] == len(losses)
+    assert learned["policy/dpo_loss_mean"] == pytest.approx(sum(finite) / len(finite), rel=1e-9)
+    every = build(tiny_llama, num_iterations=1, max_nonfinite_updates=50)
+    every.run_next_stage()
+    every.run_next_stage()
+    every.reference[:] = float("nan")
+    every.run_next_stage()
+    learned = every.state.stage_records[-1]
+    assert learned["policy/steps"] > 0 and math.isnan(learned["policy/dpo_loss_mean"])
