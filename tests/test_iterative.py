@@ -8,12 +8,10 @@ import math
 import os
 import re
 import signal
-import time
 import zlib
-from http.server import BaseHTTPRequestHandler
 
 import pytest
-from loopback_http import LoopbackServer
+from loopback_http import JSONEndpoint, Reply
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -208,7 +206,7 @@ def test_resume_mid_dpo_stage_equals_uninterrupted(tiny_llama, tmp_path):
 
 
 # ----- the API comparator against a real local endpoint ------------------------------------------
-class CompletionServer(LoopbackServer):
+class CompletionServer(JSONEndpoint):
     """An OpenAI-compatible endpoint on 127.0.0.1 serving a tiny model; ``mode`` makes it fail on purpose.
 
     Its sampling is seeded by the prompt, so the same request always gets the same completions."""
@@ -219,49 +217,30 @@ class CompletionServer(LoopbackServer):
         self.mode = "ok"
         self.requests: list[tuple[str, dict]] = []
         self.served: list[str] = []
-        server = self
+        self.start()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    pass  # the client gave up (the timeout test)
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append((self.path, body))
-                if server.mode == "error":
-                    return self.reply(500, {"error": "the model crashed"})
-                if server.mode == "bad_request":
-                    return self.reply(400, {"error": "unknown model"})
-                if server.mode == "fail_once":
-                    server.mode = "ok"
-                    return self.reply(503, {"error": "busy"})
-                if server.mode == "slow":
-                    time.sleep(1.5)
-                chat = self.path.endswith("/chat/completions")
-                prompt = body["messages"][0]["content"] if chat else body["prompt"]
-                sampling = SamplingParams(temperature=body["temperature"], top_p=body["top_p"],
-                                          max_new_tokens=body["max_tokens"])
-                generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
-                with torch.no_grad():
-                    texts = generate_completions(server.model, server.tokenizer, [prompt], body["n"], sampling,
-                                                 generator=generator).texts
-                server.served += texts
-                choices = [{"index": i, "message": {"role": "assistant", "content": t}} if chat
-                           else {"index": i, "text": t} for i, t in enumerate(texts)]
-                self.reply(200, {"object": "chat.completion" if chat else "text_completion", "choices": choices})
-
-        self.serve(Handler)
+    def answer(self, path: str, headers: dict[str, str], body: dict) -> Reply:
+        self.requests.append((path, body))
+        if self.mode == "error":
+            return Reply.json({"error": "the model crashed"}, 500)
+        if self.mode == "bad_request":
+            return Reply.json({"error": "unknown model"}, 400)
+        if self.mode == "fail_once":
+            self.mode = "ok"
+            return Reply.json({"error": "busy"}, 503)
+        chat = path.endswith("/chat/completions")
+        prompt = body["messages"][0]["content"] if chat else body["prompt"]
+        sampling = SamplingParams(temperature=body["temperature"], top_p=body["top_p"],
+                                  max_new_tokens=body["max_tokens"])
+        generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
+        with torch.no_grad():
+            texts = generate_completions(self.model, self.tokenizer, [prompt], body["n"], sampling,
+                                         generator=generator).texts
+        self.served += texts
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}} if chat
+                   else {"index": i, "text": t} for i, t in enumerate(texts)]
+        reply = Reply.json({"object": "chat.completion" if chat else "text_completion", "choices": choices})
+        return Reply(reply.status, reply.data, delay=1.5) if self.mode == "slow" else reply
 
 
 @pytest.fixture(scope="module")
