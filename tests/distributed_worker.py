@@ -513,6 +513,34 @@ def run_maths_cells(model_dir: str, prompts_file: str, out_dir: str) -> None:
                    out / f"rank_{trainer.data_parallel.rank}.pt")
 
 
+def fsdp_refusals(model_dir: str, out_dir: str) -> None:
+    """Under an FSDP launch, what the trainers refuse (``refusals.json`` from rank 0, each refusal's words by
+    case): LoRA, ``bf16-mixed``, MADPO and a critic on another device before loading, the reference KL once the
+    agents are sharded."""
+    from datasets import Dataset
+
+    from comlrl.trainers.preference import MADPOConfig, MADPOTrainer
+
+    common = dict(num_agents=2, num_generations=2, max_new_tokens=2, device="cpu", disable_tqdm=True)
+    cases = {
+        "lora_rank": (MAGRPOTrainer, MAGRPOConfig(**common, lora_rank=2)),
+        "bf16-mixed": (MAGRPOTrainer, MAGRPOConfig(**common, precision="bf16-mixed")),
+        "madpo": (MADPOTrainer, MADPOConfig(**common)),
+        "reference_kl": (MAGRPOTrainer, MAGRPOConfig(**common, reference_kl_enabled=True, top_p=1.0, top_k=None)),
+        "critic_device": (MAACTrainer, MAACConfig(**common, critic_device="meta")),  # meta: not the agents' device
+    }
+    refusals = {}
+    for case, (trainer_class, args) in cases.items():
+        critic = {"critic_model": model_dir} if trainer_class is MAACTrainer else {}
+        try:
+            trainer_class(agent_model=model_dir, num_agents=2, reward_func=letter_reward,
+                          train_dataset=Dataset.from_dict({"prompt": ["ab", "cd"]}), args=args, **critic)
+        except ValueError as refusal:
+            refusals[case] = str(refusal)
+    if int(os.environ["RANK"]) == 0:
+        (Path(out_dir) / "refusals.json").write_text(json.dumps(refusals))
+
+
 def main(model_dir: str, prompts_file: str, out_dir: str, resume: str | None = None, trainer_kind: str = "magrpo"
          ) -> None:
     prompts = json.loads(Path(prompts_file).read_text())

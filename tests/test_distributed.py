@@ -73,6 +73,17 @@ def launch_worker(model_dir: str, out, *arguments: str, env: dict[str, str] | No
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
+def launch_worker_function(function: str, *arguments: str, env: dict[str, str] | None = None) -> None:
+    """``distributed_worker.<function>(*arguments)`` in 2 gloo processes under torchrun."""
+    environment = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1",
+                   "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    code = f"import sys, distributed_worker; distributed_worker.{function}(*sys.argv[1:])"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), "--no-python", sys.executable, "-c", code, *arguments]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def two_process_run(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")

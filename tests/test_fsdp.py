@@ -21,7 +21,8 @@ from comlrl.rollout.sampling import SamplingParams
 from comlrl.parallel.sharding import FSDPSettings, check_shardable
 from comlrl.trainers.preference import MARLHFTrainer
 from distributed_worker import build, build_actor_critic, uneven_lengths
-from test_distributed import assert_weights_close, checkpoint_weights, equal_length_prompts, launch_worker
+from test_distributed import (assert_weights_close, checkpoint_weights, equal_length_prompts, launch_worker,
+                              launch_worker_function)
 
 FSDP_LAUNCH = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "true",
                "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP", "FSDP_OFFLOAD_PARAMS": "false",
@@ -126,6 +127,24 @@ def test_what_fsdp_cannot_shard_is_refused_before_loading():
         check_shardable("MAGRPOTrainer", None, 8, [cpu])
     with pytest.raises(ValueError, match=r"placed on \['cpu', 'meta'\]; use device='auto' with one GPU per process"):
         check_shardable("MAGRPOTrainer", None, None, [cpu, torch.device("meta")])
+
+
+def test_what_an_fsdp_launch_cannot_do_is_refused_by_the_trainers_in_their_words(tiny_llama, tmp_path):
+    """A 2-process FSDP launch: the trainer, not only the check, names what it refuses and why."""
+    launch_worker_function("fsdp_refusals", tiny_llama, str(tmp_path), env=FSDP_LAUNCH)
+    advice = "or launch with infra/accelerate/multi_gpu.yaml (every process holds whole agents)"
+    assert json.loads((tmp_path / "refusals.json").read_text()) == {
+        "lora_rank": f"lora_rank=2 cannot be combined with FSDP yet; drop lora_rank, {advice}",
+        "bf16-mixed": "precision='bf16-mixed' cannot be combined with FSDP yet (its bf16 sampling copies are whole "
+                      f"models); use precision='bf16', {advice}",
+        "madpo": "MADPOTrainer cannot shard its models with FSDP: the DPO reference copies are not sharded yet; "
+                 f"launch with DDP instead; {advice}",
+        "reference_kl": "MAGRPOConfig.reference_kl_enabled is not supported yet under an FSDP launch; use data "
+                        "parallelism without FSDP or LoRA",
+        "critic_device": "FSDP shards every agent over the processes, each on its own device (cpu here), but the "
+                         "agents are placed on ['cpu', 'meta']; use device='auto' with one GPU per process "
+                         "(accelerate's num_processes = GPUs)",
+    }
 
 
 # ----- actor-critic: sharded critics and value heads ----------------------------------------------

@@ -31,9 +31,6 @@ give another gradient.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -43,7 +40,7 @@ from comlrl.trainers.reinforce import MAGRPOConfig
 from distributed_worker import (FIXED_JOINT, MATHS_CELLS, MATRIX_GLOBAL_BATCH, build_matrix_iac, build_matrix_madpo,
                                 build_matrix_magrpo, build_matrix_magrpo_dapo, letter_reward, plain_weights,
                                 record_learning_rates)
-from test_distributed import ROOT, equal_length_prompts, free_port, launch_worker
+from test_distributed import equal_length_prompts, launch_worker, launch_worker_function
 from test_trainer_maths import FamilyMaths, assert_gradient_matches, gradient, model_at, token_logprobs
 
 ATOL = 1e-5
@@ -256,17 +253,6 @@ def test_two_process_mid_window_checkpoint_resumes_in_one_process(matrix_run, si
 
 
 # ----- the maths cells: 2 processes against the one-process maths, by hand -------------------------------
-def launch_worker_function(function: str, *arguments: str) -> None:
-    """``distributed_worker.<function>(*arguments)`` in 2 gloo processes under torchrun."""
-    environment = {**os.environ, "OMP_NUM_THREADS": "1",
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-    code = f"import sys, distributed_worker; distributed_worker.{function}(*sys.argv[1:])"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), "--no-python", sys.executable, "-c", code, *arguments]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-
-
 @pytest.fixture(scope="module")
 def maths_run(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("matrix_ddp_maths")
