@@ -88,6 +88,19 @@ def test_last_token_index_of_one_row_and_of_a_single_column():
     assert last_token_index(torch.tensor([[True], [True]])).tolist() == [0, 0]
 
 
+def test_the_head_and_the_last_token_stay_on_the_models_and_the_masks_device(tiny_llama):
+    """A critic on another device than the CPU (``meta`` stands in for it on any machine): its new head is created
+    there, and the last token's column is found on the mask's device."""
+    from transformers import AutoConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_llama))
+    head = attach_value_head(model, 3)
+    assert {parameter.device.type for parameter in head.parameters()} == {"meta"}
+    index = last_token_index(torch.tensor([[1, 1, 0], [0, 1, 1]], device="meta"))
+    assert index.device.type == "meta" and index.shape == (2,)
+
+
 def test_distinct_values_tell_masks_apart(tiny_llama):
     """Rows with the same ids but other masks are other sequences; repeats take their first copy's value, and
     every row's value is the one it would get alone."""
