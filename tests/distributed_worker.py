@@ -541,6 +541,35 @@ def fsdp_refusals(model_dir: str, out_dir: str) -> None:
         (Path(out_dir) / "refusals.json").write_text(json.dumps(refusals))
 
 
+def madpo_iter_drops(model_dir: str, out_dir: str) -> None:
+    """MADPOIter on 2 processes with ``invalid_reward="drop"``: the reward is NaN for the second process's prompts
+    (prompts 1 and 3), so only that process drops samples, in its preference collection. Each rank writes how many
+    NaNs its reward gave (``nans_<rank>.json``) and its history's ``reward/dropped`` (``dropped_<rank>.json``)."""
+    from datasets import Dataset
+
+    from comlrl.trainers.preference import MADPOIterConfig, MADPOIterTrainer
+
+    prompts = ["ab", "cd", "ef", "gh"]
+    given = []
+
+    def reward(prompts_given, completions_0, completions_1):
+        values = [float("nan") if prompt in ("cd", "gh") else float(len(a) - len(b))
+                  for prompt, a, b in zip(prompts_given, completions_0, completions_1)]
+        given.extend(values)
+        return values
+
+    trainer = MADPOIterTrainer(
+        agent_model=model_dir, reward_func=reward, train_dataset=Dataset.from_dict({"prompt": prompts}),
+        args=MADPOIterConfig(num_agents=2, num_generations=2, max_new_tokens=3, num_iterations=1, dpo_batch_size=2,
+                             per_device_train_batch_size=1, invalid_reward="drop", device="cpu",
+                             disable_tqdm=True, seed=5))
+    trainer.train()
+    rank = trainer.data_parallel.rank
+    out = Path(out_dir)
+    (out / f"nans_{rank}.json").write_text(json.dumps(sum(value != value for value in given)))
+    (out / f"dropped_{rank}.json").write_text(json.dumps([row.get("reward/dropped") for row in trainer.state.history]))
+
+
 def main(model_dir: str, prompts_file: str, out_dir: str, resume: str | None = None, trainer_kind: str = "magrpo"
          ) -> None:
     prompts = json.loads(Path(prompts_file).read_text())

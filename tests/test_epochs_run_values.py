@@ -3,7 +3,9 @@ the history rows, the logging and evaluation cadences, what a boundary's report 
 paths, the step guard and the run's refusals in their words.
 
 Real tiny Llama agents (``tests/conftest.py``) trained by MAGRPO on four prompts, two per step, so an epoch
-is two steps; every expected number is worked out here from the history the run wrote or by hand.
+is two steps (and one MADPOIter run, whose boundaries are stages); every expected number is worked out here from
+the history the run wrote or by hand. Every MAGRPO run carries a :class:`RunawayGuard`, so that a loop that no
+longer ends fails at once.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from comlrl.callbacks import MetricsRecorder, TrainerCallback
 from comlrl.errors import TrainingInterrupted
 from comlrl.progress import Boundary
 from comlrl.rollout.reward_calls import RewardCallError
+from comlrl.tasks.letters import letters_reward
 from comlrl.trainers.epochs import Stage, current_activity
+from comlrl.trainers.preference import MADPOIterConfig, MADPOIterTrainer
 from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 from comlrl.training.loop import StepGuard, TrainingLoop, rng_restorer
 from comlrl.training.signals import StopRequest
@@ -54,13 +58,32 @@ class EpochEnds(TrainerCallback):
         self.events.append("end")
 
 
+class RunawayGuard(TrainerCallback):
+    """Fails a run that goes past its plan (more epoch ends than epochs, or far more logs than any test makes),
+    so that a loop that no longer ends fails at once instead of running until a time limit."""
+
+    def __init__(self, epochs):
+        self.epochs, self.ended, self.logs = epochs, 0, 0
+
+    def on_epoch_end(self, trainer, epoch):
+        self.ended += 1
+        if self.ended > self.epochs:
+            raise AssertionError(f"epoch end number {self.ended} of a {self.epochs}-epoch run")
+
+    def on_log(self, trainer, metrics, step):
+        self.logs += 1
+        if self.logs > 50:
+            raise AssertionError(f"{self.logs} logs: the run does not end")
+
+
 def build(model, callbacks=(), eval_dataset=None, reward=joint_letter_reward, prompts=PROMPTS, **config):
     settings = dict(num_agents=2, num_generations=2, max_new_tokens=2, agent_learning_rate=1e-2, num_train_epochs=2,
                     per_device_train_batch_size=2, logging_steps=1, seed=3, disable_tqdm=True, shuffle=False)
     settings.update(config)
     return MAGRPOTrainer(agent_model=model, num_agents=2, reward_func=reward,
                          train_dataset=Dataset.from_dict({"prompt": list(prompts)}), eval_dataset=eval_dataset,
-                         callbacks=list(callbacks), args=MAGRPOConfig(**settings))
+                         callbacks=[*callbacks, RunawayGuard(settings["num_train_epochs"])],
+                         args=MAGRPOConfig(**settings))
 
 
 def training_logs(recorder):
@@ -98,6 +121,12 @@ def test_a_run_makes_every_planned_step_and_epoch_and_counts_them(tiny_llama):
     for row in history:
         assert row["reward/dropped"] == 0.0 and row["nonfinite_updates"] == 0.0
         assert row["step_time"] >= row["generation_time"] > 0 and row["update_time"] > 0 and row["reward_time"] > 0
+
+
+def test_a_schedule_repeated_plans_its_epochs_steps_that_many_times(tiny_llama):
+    trainer = build(tiny_llama, num_train_epochs=3)
+    trainer.replan_schedules(2)  # as MARLHF's iterations do: the policy's epochs run once per iteration
+    assert trainer.planned_training_steps() == 3 * STEPS_PER_EPOCH * 2
 
 
 def test_the_steps_take_the_rows_of_the_epoch_in_order_and_the_stages_name_their_step(tiny_llama):
@@ -164,6 +193,21 @@ def test_closing_an_epoch_with_steps_left_is_refused_naming_them(tiny_llama):
     run.run_steps()
     assert trainer.close_boundary() == {}  # without a window: the epoch ends all the same
     assert (trainer.state.epoch, trainer.state.step_in_epoch, trainer.state.boundaries) == (1, 0, 1)
+    run.abort(RuntimeError("test over"))
+
+
+def test_each_epoch_closed_by_hand_counts_one_epoch_and_one_boundary(tiny_llama):
+    ends = EpochEnds()
+    trainer = build(tiny_llama, [ends], num_train_epochs=2)
+    run = trainer.start_run(progress_bar=False)
+    counts = []
+    for _ in range(2):  # run_steps and close_boundary only: a miscount shows here instead of looping on
+        assert run.run_steps() == STEPS_PER_EPOCH
+        run.close_boundary()
+        state = trainer.state
+        counts.append((state.epoch, state.step_in_epoch, state.global_step, state.boundaries))
+    assert counts == [(1, 0, 2, 1), (2, 0, 4, 2)] and ends.epochs == [1, 2]
+    assert run.next_boundary is None
     run.abort(RuntimeError("test over"))
 
 
@@ -238,6 +282,21 @@ def test_the_logging_window_reopened_anywhere_holds_the_steps_since_the_last_log
     # Logs at 3 (epoch end), 4 (cadence), 6 (epoch end), 8 (cadence), 9 (epoch end).
     assert [record["step"] for record in training_logs(recorder)] == [3, 4, 6, 8, 9]
     assert opened == [(1, 1), (2, 2), (3, 3), (4, 0), (5, 1), (6, 2), (7, 1), (8, 0), (9, 1)]
+
+
+def test_a_reopened_window_keeps_an_updates_nan_and_leaves_out_step_epoch_and_tags(tiny_llama):
+    trainer = build(tiny_llama, num_train_epochs=1, logging_steps=4, max_nonfinite_updates=100)
+    trainer.tag_steps(iteration=2)
+    trainer.agents[0].lm_head.register_forward_hook(  # agent 0's update is NaN, its sampling is not
+        lambda module, inputs, output: output * float("nan") if torch.is_grad_enabled() else None)
+    run = trainer.start_run(progress_bar=False)
+    run.run_steps(1)  # the window stays open: no log before step 4 or the epoch's end
+    reopened, live = trainer.logging_window().flush(), copy.deepcopy(run.window).flush()
+    row = trainer.history[-1]
+    assert set(reopened) == set(live) == set(row) - {"step", "epoch", "iteration"}
+    assert math.isnan(row["agent_0/loss"]) and math.isnan(reopened["agent_0/loss"])
+    assert reopened["reward_mean"] == row["reward_mean"] and reopened["agent_1/loss"] == row["agent_1/loss"]
+    run.abort(RuntimeError("test over"))
 
 
 def test_the_window_of_a_fresh_trainer_is_empty():
@@ -351,6 +410,9 @@ def test_the_progress_bar_counts_the_steps_from_where_the_run_resumes(tiny_llama
     shown = build(tiny_llama, num_train_epochs=1, disable_tqdm=False).start_run()
     assert not shown.progress.disable
     shown.abort(RuntimeError("test over"))
+    hidden = build(tiny_llama, num_train_epochs=1).start_run()  # disable_tqdm=True, no progress_bar given
+    assert hidden.progress.disable
+    hidden.abort(RuntimeError("test over"))
 
 
 # ----- a resume continues the run exactly --------------------------------------------------------------------
@@ -971,3 +1033,56 @@ def test_a_stop_before_the_end_of_a_run_without_checkpoints_names_the_last_epoch
     assert str(stopped.value) == ("SIGTERM received while epoch 3 was saved: training is complete and saved; the run "
                                   "stopped before its end (resuming from that checkpoint only ends it)")
     assert stopped.value.checkpoint is None
+
+
+# ----- a run whose boundaries are a preference run's stages ---------------------------------------------------------
+def preference_run(model, output_dir):
+    args = MADPOIterConfig(num_agents=2, num_generations=2, max_new_tokens=3, num_iterations=1, dpo_batch_size=4,
+                           agent_learning_rate=1e-2, max_pairs_per_prompt=2, disable_tqdm=True, seed=3,
+                           output_dir=str(output_dir))
+    return MADPOIterTrainer(agent_model=model, reward_func=letters_reward, args=args,
+                            train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}))
+
+
+def test_a_stage_boundary_reports_the_stages_own_metrics_and_a_resume_writes_beside_the_first_output(tiny_llama,
+                                                                                                      tmp_path):
+    out = tmp_path / "out"
+    trainer = preference_run(tiny_llama, out)
+    run = trainer.start_run(checkpoint_dir=tmp_path / "ck", progress_bar=False)
+    assert trainer.output_path == out  # a fresh run writes into the output directory itself
+    report = run.run_boundary()  # the collection: no policy step, so the steps' mean would be empty
+    [record] = trainer.state.stage_records
+    collected = {key: value for key, value in record.items() if key not in ("iteration", "stage")}
+    assert report.boundary == Boundary(1, 3, "collect_preferences", 1)
+    assert report.metrics == collected and collected["preferences/prompts"] == 2.0
+    # A stage closed and saved without its metrics: the mean of its steps, of which there are none.
+    run.close_boundary()
+    assert run.save_boundary().metrics == {} and trainer.state.boundaries == 2
+    run.abort(RuntimeError("test over"))
+    with pytest.raises(ValueError, match="already contains files"):  # a fresh run never writes over a run's files
+        preference_run(tiny_llama, out).start_run(checkpoint_dir=tmp_path / "again", progress_bar=False)
+    resumed = preference_run(tiny_llama, out)
+    run = resumed.start_run(resume_from_checkpoint=str(tmp_path / "ck" / "checkpoint-1"),
+                            checkpoint_dir=tmp_path / "ck", progress_bar=False)
+    assert resumed.output_path == out / "resume-1"
+    run.abort(RuntimeError("test over"))
+
+
+class UnrewardedMAGRPO(MAGRPOTrainer):
+    """MAGRPO whose step metrics leave out ``reward_mean`` (as a subclass with metrics of its own may)."""
+
+    def step_metrics(self, values):
+        metrics = super().step_metrics(values)
+        del metrics["reward_mean"]
+        return metrics
+
+
+def test_a_step_without_a_reward_mean_shows_nan_on_the_progress_bar(tiny_llama):
+    trainer = UnrewardedMAGRPO(agent_model=tiny_llama, num_agents=2, reward_func=joint_letter_reward,
+                               train_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}),
+                               args=MAGRPOConfig(num_agents=2, num_generations=2, max_new_tokens=2, num_train_epochs=1,
+                                                 per_device_train_batch_size=2, seed=3))
+    run = trainer.start_run(progress_bar=True)
+    assert run.run_steps(1) == 1
+    assert run.progress.postfix == "reward=nan" and "reward_mean" not in trainer.history[-1]
+    run.abort(RuntimeError("test over"))

@@ -369,3 +369,15 @@ def test_two_processes_apply_the_joint_dpo_gradient_of_every_pair(maths_run, tin
             wrong["each rank's own pair count"] = gradient(
                 sum(joint[owner == r].mean() for r in range(2)) / 2, models[agent], keep_graph=True)
         assert_gradient_matches(ranks[0]["steps"][agent][0]["applied"], expected, wrong)
+
+
+def test_a_dpo_stage_reports_the_rewards_every_process_dropped_in_its_collection(tiny_llama, tmp_path):
+    """MADPOIter over 2 processes with ``invalid_reward="drop"``: only the second process's prompts get NaN rewards,
+    dropped in its preference collection (no online step counts them). Every DPO step's ``reward/dropped`` on
+    every rank is the total the reward functions gave (4 here), not each process's own count averaged (2)."""
+    launch_worker_function("madpo_iter_drops", tiny_llama, str(tmp_path))
+    nans = [json.loads((tmp_path / f"nans_{rank}.json").read_text()) for rank in range(2)]
+    assert nans[0] == 0 and nans[1] > 0
+    for rank in range(2):
+        dropped = json.loads((tmp_path / f"dropped_{rank}.json").read_text())
+        assert dropped and dropped == [float(sum(nans))] * len(dropped), (rank, dropped)

@@ -45,8 +45,6 @@ NOT_STATE = {
     "*_evaluations": "the evaluations this process made (TrainingRun's reports); a resumed process starts a new list",
     "*progress": "the current run's progress bar; every run makes its own",
     "*_epoch_batches": "a cache of the current epoch's batches, recomputed from the seed and the epoch",
-    "*dropped_before_step": "the reward's dropped count when the step in progress began; every step's begin_step sets "
-                            "it before its record_step reads it",
 }
 
 WORDS = ["cat", "dog", "sun", "moon"]

@@ -147,6 +147,9 @@ class JointReward:
         self.processor = reward_processor
         self.on_invalid = on_invalid
         self.dropped = 0  # samples whose reward was a non-number, NaN or inf and were dropped
+        # The part of ``dropped`` every process has counted together (the trainer's total at its last recorded
+        # step, under data parallelism); the rest is this process's own since then.
+        self.dropped_counted = 0
         # Monitors score the same joint samples without entering the reward (e.g. the task
         # reward while training on a learned one); their means are reported as metrics.
         self.monitors = dict(monitors or {})
@@ -253,7 +256,7 @@ class JointReward:
         return {"dropped": self.dropped, "per_sample": sorted(self._per_sample)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dropped = int(state["dropped"])
+        self.dropped = self.dropped_counted = int(state["dropped"])
         self._per_sample = set(state.get("per_sample", []))
 
     def sample_rows(self) -> list[dict[str, Any]]:

@@ -183,7 +183,6 @@ class EpochSteps(TrainingLoop):
     def begin_step(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The values a step's stages read and write, starting from the batch's rows."""
         self.reward.drain_monitor_metrics()  # discard what evaluation may have left
-        self.__dict__["dropped_before_step"] = self.reward.dropped  # the same on every process (dropped_so_far)
         return {"rows": rows, "step_started": time.perf_counter(), "timings": {}}
 
     def run_stage(self, stage: Stage, values: dict[str, Any]) -> Any:
@@ -210,14 +209,15 @@ class EpochSteps(TrainingLoop):
 
     def dropped_so_far(self) -> int:
         """Training's samples whose reward was dropped, up to this step, over every process: under data
-        parallelism each process counts its own share of a step, so the step's counts are summed over the
-        processes and every process keeps that total (the one a checkpoint saves), from which the next
-        step's counts start."""
-        before = self.__dict__.get("dropped_before_step")
-        if self.data_parallel.enabled and before is not None:
-            step = self.data_parallel.all_sum(torch.tensor([float(self.reward.dropped - before)]))
-            self.reward.dropped = self.__dict__["dropped_before_step"] = before + int(step.item())
-        return self.reward.dropped
+        parallelism each process counts its own share (of a step, or of a preference collection before a DPO
+        stage's steps), so what each counted since the last recorded step is summed over the processes, and
+        every process keeps that total (the one a checkpoint saves), from which the next counts start."""
+        reward = self.reward
+        if self.data_parallel.enabled:
+            since = self.data_parallel.all_sum(torch.tensor([float(reward.dropped - reward.dropped_counted)]))
+            reward.dropped = reward.dropped_counted + int(since.item())
+        reward.dropped_counted = reward.dropped
+        return reward.dropped
 
     def record_step(self, metrics: dict[str, float], window: MetricWindow, progress: Any = None) -> None:
         """Count a finished step: monitor metrics, progress, history, callbacks, periodic evaluation;
