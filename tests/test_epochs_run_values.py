@@ -544,19 +544,25 @@ def fail_inside_updates(trainer) -> dict:
     return armed
 
 
-def test_a_failure_inside_an_update_writes_nothing_and_says_so(tiny_llama, tmp_path, caplog):
-    trainer = build(tiny_llama, num_train_epochs=1)
+@pytest.mark.parametrize("epochs, before_failure, last", [
+    (1, lambda run: run.run_steps(1), None),  # no checkpoint yet
+    (2, lambda run: run.run_boundary(), "checkpoint-1"),  # after epoch 1's checkpoint
+])
+def test_a_failure_inside_an_update_writes_nothing_and_names_the_last_checkpoint(tiny_llama, tmp_path, caplog,
+                                                                                epochs, before_failure, last):
+    trainer = build(tiny_llama, num_train_epochs=epochs)
     armed = fail_inside_updates(trainer)
     with caplog.at_level(logging.ERROR, logger="comlrl.training.run"):
         with pytest.raises(RuntimeError, match="injected"):
             with trainer.start_run(checkpoint_dir=tmp_path, progress_bar=False) as run:
-                run.run_steps(1)
+                before_failure(run)
                 armed["on"] = True
                 run.run_steps(1)
-    assert run.failure_checkpoint is None and run.last_checkpoint() is None
-    assert list(tmp_path.glob("checkpoint-*")) == []
+    expected = None if last is None else str(tmp_path / last)
+    assert run.failure_checkpoint is None and run.last_checkpoint() == expected
+    assert sorted(path.name for path in tmp_path.glob("checkpoint-*")) == ([] if last is None else [last])
     assert errors(caplog) == ["RuntimeError ended the run inside an update; nothing new was saved (the last "
-                              "checkpoint is none)"]
+                              f"checkpoint is {'none' if last is None else expected})"]
 
 
 # ----- the pieces: pure functions, the step guard, the refusals --------------------------------------------------
@@ -823,17 +829,23 @@ def test_a_failure_without_a_checkpoint_directory_saves_nothing_and_names_nothin
     assert run.failure_checkpoint is None and run.last_checkpoint() is None and errors(caplog) == []
 
 
+def sigterm_during_the_wait(trainer) -> None:
+    """From inside a reward call: SIGTERM this process, wait until the trainer's handler has seen it, then stay
+    in the call long enough that the waiting thread (which looks every 0.05 s) finds the request."""
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not trainer.stop_request.requested and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.0)
+
+
 def test_a_signal_while_a_step_waits_for_its_reward_puts_the_step_back_and_the_resume_repeats_it(tiny_llama, tmp_path):
     calls = {"n": 0}
 
     def judge_then_sigterm(completions_0, completions_1):
         calls["n"] += 1
         if calls["n"] == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-            deadline = time.monotonic() + 60
-            while not stopped.stop_request.requested and time.monotonic() < deadline:  # the handler has run
-                time.sleep(0.01)
-            time.sleep(1.0)  # still waited for when the waiting thread next looks (every 0.05 s)
+            sigterm_during_the_wait(stopped)
         return joint_letter_reward(completions_0, completions_1)
 
     stopped = build(tiny_llama, reward=judge_then_sigterm, num_train_epochs=1, reward_timeout=60.0)
@@ -868,20 +880,6 @@ def test_a_failure_in_an_evaluation_is_checkpointed_with_the_evaluation_left_to_
     resumed.use_evaluator(CountingEvaluator())
     resumed.train(resume_from_checkpoint=str(path), checkpoint_dir=tmp_path)
     assert [step for step, _ in resumed.evaluations] == [1, 2]
-
-
-def test_a_failure_inside_an_update_after_a_checkpoint_names_that_checkpoint(tiny_llama, tmp_path, caplog):
-    trainer = build(tiny_llama, num_train_epochs=2)
-    armed = fail_inside_updates(trainer)
-    with caplog.at_level(logging.ERROR, logger="comlrl.training.run"):
-        with pytest.raises(RuntimeError, match="injected"):
-            with trainer.start_run(checkpoint_dir=tmp_path, progress_bar=False) as run:
-                run.run_boundary()
-                armed["on"] = True
-                run.run_steps(1)
-    assert errors(caplog) == [f"RuntimeError ended the run inside an update; nothing new was saved (the last "
-                              f"checkpoint is {tmp_path / 'checkpoint-1'})"]
-    assert run.last_checkpoint() == str(tmp_path / "checkpoint-1")
 
 
 # ----- how a run starts ----------------------------------------------------------------------------------------------
@@ -974,11 +972,7 @@ def test_a_signal_while_an_evaluation_waits_for_its_reward_leaves_that_evaluatio
     def judge(completions_0, completions_1):
         if trainer.state.global_step == 1 and not sent:  # the first call after step 1: its evaluation
             sent.append(True)
-            os.kill(os.getpid(), signal.SIGTERM)
-            deadline = time.monotonic() + 60
-            while not trainer.stop_request.requested and time.monotonic() < deadline:  # the handler has run
-                time.sleep(0.01)
-            time.sleep(1.0)  # still waited for when the waiting thread next looks (every 0.05 s)
+            sigterm_during_the_wait(trainer)
         return joint_letter_reward(completions_0, completions_1)
 
     trainer = build(tiny_llama, reward=judge, eval_dataset=EVAL_ROWS, eval_interval=1, eval_num_samples=1,
