@@ -19,16 +19,20 @@ def sqlite_uri(database: Path, scheme: str = "sqlite") -> str:
     """The SQLAlchemy URI (``scheme``: ``sqlite``, or ``sqlite+aiosqlite`` for Prefect's server) that MLflow and
     SQLAlchemy both resolve to exactly the file ``database`` (absolute).
 
-    SQLAlchemy percent-decodes the database part and ends it at a ``?``, so a path holding ``%`` or ``?`` cannot be
-    written plainly; percent-encoding it instead makes MLflow create the encoded parent directory beside the
-    intended one (``mlflow.store.db.utils._make_parent_dirs_if_sqlite`` reads the URI text as a path). Such paths
-    (and any not printable) become an SQLite ``file:`` URI (``uri=true``) with every ``/`` encoded too: MLflow's
-    parent directory is then ``.``, SQLAlchemy decodes it once and SQLite decodes the path, byte for byte.
+    SQLAlchemy percent-decodes the database part and ends it at a ``?``, so a path holding ``%`` or ``?`` (or any
+    not printable) cannot be written plainly. It becomes an SQLite ``file:`` URI (``uri=true``): SQLAlchemy decodes
+    the URI's text once and hands SQLite the ``file:`` URI, which SQLite decodes into the path, byte for byte.
+
+    Before opening it, MLflow makes the database's parent directory from the URI: earlier versions read its text as
+    it stands, 3.18 as SQLAlchemy decodes it (``make_url(uri).database``). So every ``/`` stays encoded in both
+    layers and neither reading names a directory: its parent is ``.``, which exists. (With the ``/`` decoded, 3.18
+    read a relative ``file:/…`` path and made that tree under the current directory.) Only SQLite, decoding the
+    ``file:`` URI, sees the path.
     """
     text = str(database)
     if "%" not in text and "?" not in text and text.isprintable():
         return f"{scheme}:///{text}"
-    return f"{scheme}:///" + quote("file:" + quote(os.fsencode(database)), safe="") + "?uri=true"
+    return f"{scheme}:///" + quote("file:" + quote(os.fsencode(database), safe=""), safe="") + "?uri=true"
 
 
 def embedded_tracking_uri(workdir: str | Path) -> str:

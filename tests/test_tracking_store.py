@@ -1,6 +1,7 @@
 """The embedded MLflow store (flows/runs.py): its URI names exactly ``<workdir>/mlflow/mlflow.db`` whatever the
-workdir is called, and its first creation is all or nothing (a full disk leaves no store behind, a retry works,
-two processes creating it at once share one)."""
+workdir is called, nothing MLflow writes (the store, runs, artifacts, the registry) lands outside the workdir, and its
+first creation is all or nothing (a full disk leaves no store behind, a retry works, two processes creating it at
+once share one)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,11 @@ from flows.runs import configure_embedded_default
 from flows.tracking_store import (default_tracking_uri, embedded_store, embedded_tracking_uri, ensure_embedded_store,
                                   publish_store, workdir_uri_problem)
 
-# Each is read as URI syntax somewhere when written plainly: a query (?), a percent escape (%41 is "A"), a fragment
-# (#), or is no plain ASCII.
-AWKWARD_NAMES = ["wd?x=1", "wd%41", "wd#frag", "wd with space", "wdé", "wd%%", "wd\tx"]
+# Each is read as URI syntax somewhere when written plainly: a query (?), a percent escape (%41 is "A", %% none), a
+# fragment (#), a space, a character that is not printable (tab, newline) or not ASCII.
+AWKWARD_NAMES = ["wd?x=1", "wd%41", "wd#frag", "wd with space", "wdé", "wd%%", "wd\tx", "wd\nx"]
 NOT_UTF8 = os.fsdecode(b"wd\xff")  # the store works; MLflow's artifact URIs cannot name it (workdir_uri_problem)
-ALL_AT_ONCE = "wd?x=1%41#frag é"
+ALL_AT_ONCE = "wd?x=1%41%%#frag é\t\n"
 # RLIMIT_FSIZE that cuts MLflow's migrations short halfway (the whole store is ~0.95 MB); written in place, this
 # left a store that no later run could open ("table logged_models already exists").
 HALF_A_STORE = 250_000
@@ -80,6 +81,19 @@ def test_sqlalchemy_opens_exactly_the_store_under_any_workdir_name(tmp_path, env
     assert os.listdir(workdir / "mlflow") == ["mlflow.db"]
 
 
+@pytest.mark.parametrize("name", AWKWARD_NAMES + [ALL_AT_ONCE, NOT_UTF8], ids=ascii)
+def test_the_uri_names_no_other_directory_to_any_reader(tmp_path, name):
+    """MLflow makes the store's parent directory from the URI before opening it, reading the text as it stands or
+    decoded once (SQLAlchemy's database part) depending on its version. Each reading must be the store's absolute
+    path itself or hold no ``/`` (its parent is ``.``): a relative path with a ``/`` makes a directory under the
+    current one (MLflow 3.18 made a ``file:/…`` tree)."""
+    workdir = workdir_in(tmp_path, name)
+    uri = embedded_tracking_uri(workdir)
+    readings = {uri.removeprefix("sqlite:///").removesuffix("?uri=true"), sqlalchemy.engine.make_url(uri).database}
+    for reading in readings:
+        assert reading == str(embedded_store(workdir)) or "/" not in reading, (uri, reading)
+
+
 def track_and_register(uri: str, workdir: Path, tmp_path: Path) -> None:
     """A run with a metric and an artifact, and a registered model version whose source is that artifact, the
     way the pipeline makes them (comlrl.tracking), each checked from the store file itself."""
@@ -106,22 +120,19 @@ def track_and_register(uri: str, workdir: Path, tmp_path: Path) -> None:
         assert connection.execute("select name from model_versions").fetchall() == [("awkward-team",)]
 
 
-def test_mlflow_tracks_and_registers_inside_a_workdir_named_like_uri_syntax(tmp_path, environment):
-    workdir = workdir_in(tmp_path, ALL_AT_ONCE)
+@pytest.mark.parametrize("name", AWKWARD_NAMES + [ALL_AT_ONCE], ids=ascii)
+def test_mlflow_writes_only_inside_each_awkward_workdir(tmp_path, environment, name):
+    """The store's creation, then a tracked run, an artifact and a registered model: the current directory and the
+    workdir's parent get nothing (MLflow 3.18 made a ``file:`` tree in the current directory for six of these)."""
+    workdir = workdir_in(tmp_path, name)
     configure_embedded_default(workdir)
     uri = os.environ["MLFLOW_TRACKING_URI"]
-    assert uri == embedded_tracking_uri(workdir) and "uri=true" in uri
+    assert uri == embedded_tracking_uri(workdir)
+    assert_nothing_beside(workdir)
+    assert os.listdir(workdir / "mlflow") == ["mlflow.db"]
     track_and_register(uri, workdir, tmp_path)
     assert_nothing_beside(workdir)
     assert sorted(os.listdir(workdir / "mlflow")) == ["artifacts", "mlflow.db"]
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("name", AWKWARD_NAMES, ids=ascii)
-def test_mlflow_tracks_and_registers_inside_each_awkward_workdir(tmp_path, environment, name):
-    workdir = workdir_in(tmp_path, name)
-    track_and_register(default_tracking_uri(workdir), workdir, tmp_path)
-    assert_nothing_beside(workdir)
 
 
 def test_only_a_workdir_path_that_is_not_utf8_is_refused(tmp_path):
