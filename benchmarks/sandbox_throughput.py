@@ -232,7 +232,7 @@ def profile_one(problem: dict, repeats: int) -> dict[str, dict[str, float]]:
     whole path (job folder, prelude and limits, supervision) under each isolation.
     """
     python, _ = isolation.interpreter()
-    bwrap = isolation.bwrap_binary()
+    bwrap = isolation.runnable_bwrap()
     program = problem["prompt"] + problem["canonical_solution"]
     stdin = execution.harness_input(problem, program, 3.0)
     imports = "; ".join(f"import {name}" for name in ["ctypes", *problem_imports(problem["prompt"])])

@@ -19,14 +19,14 @@ import json
 import os
 import shutil
 import subprocess
-import sys
-import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from comlrl.tasks.coding import TASK, humaneval, score
+from install_copy import base_python, copy_install
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER_PID = os.getpid()
@@ -442,23 +442,22 @@ def has_close_elements(numbers, threshold):
 
 
 def test_a_non_root_trainers_records_cannot_be_forged_through_the_sandboxs_first_process(problems):
-    system_python = shutil.which("python3", path="/usr/bin")
-    if os.geteuid() != 0 or shutil.which("setpriv") is None or system_python is None:
-        pytest.skip("needs root (to become an ordinary user), setpriv and /usr/bin/python3")
-    version = subprocess.run([system_python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True,
-                             text=True).stdout.strip()
-    if version != str(sys.version_info[:2]):
-        pytest.skip(f"/usr/bin/python3 is {version}, the venv {sys.version_info[:2]}: it cannot import the venv")
-    paths = [str(REPO), sysconfig.get_paths()["purelib"]]
-    problem = {key: problems["HumanEval/0"][key] for key in ("task_id", "prompt", "entry_point", "test")}
-    run = subprocess.run(["setpriv", f"--reuid={NON_ROOT_UID}", f"--regid={NON_ROOT_UID}", "--clear-groups", "--",
-                          system_python, "-I", "-c", NON_ROOT_SCORER.format(paths=paths, main=FORGER)],
-                         input=json.dumps(problem), capture_output=True, text=True, timeout=120, cwd="/")
-    if run.returncode != 0:
-        pytest.skip(f"an ordinary user cannot run the scorer here: {run.stderr.strip()[-500:]}")
+    python = base_python()
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or python is None:
+        pytest.skip("needs root (to become an ordinary user), setpriv and an interpreter every user can run")
+    parent = Path(tempfile.mkdtemp(prefix="comlrl-non-root-"))
+    os.chmod(parent, 0o755)  # the checkout may lie in a 0700 folder: the ordinary user reads a copy
+    try:
+        paths = [str(copy_install(parent / "site-packages"))]
+        problem = {key: problems["HumanEval/0"][key] for key in ("task_id", "prompt", "entry_point", "test")}
+        run = subprocess.run(["setpriv", f"--reuid={NON_ROOT_UID}", f"--regid={NON_ROOT_UID}", "--clear-groups",
+                              "--", python, "-I", "-S", "-c", NON_ROOT_SCORER.format(paths=paths, main=FORGER)],
+                             input=json.dumps(problem), capture_output=True, text=True, timeout=120, cwd="/")
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+    assert run.returncode == 0, run.stderr[-2000:]
     outcome = json.loads(run.stdout.strip().splitlines()[-1])
-    if "unavailable" in outcome:
-        pytest.skip(outcome["unavailable"])
+    assert "unavailable" not in outcome, outcome  # full isolation runs for an ordinary user too
     assert outcome["tests_passed"] == 0
 
 

