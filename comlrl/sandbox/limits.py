@@ -60,9 +60,9 @@ class SandboxResult:
     """What one program did, as seen from outside: its output (each stream cut at the limit), how it ended.
 
     ``exit_code`` is the program's status (``None`` when the sandbox killed it: ``timed_out`` or
-    ``output_truncated`` says why). A program that signal N ended reports ``-N`` from a warm worker or under
-    ``rlimits``, and ``128 + N`` from a fresh sandbox (bubblewrap's report; there the program is its
-    namespace's PID 1, and the kernel ignores the signals it sends itself without a handler). Nothing here comes from the program's
+    ``output_truncated`` says why). A program that signal N ended reports ``128 + N`` whichever path ran it
+    (bubblewrap's report from a fresh sandbox, where the program is its namespace's PID 1 and the kernel
+    ignores the signals it sends itself without a handler; a warm worker and ``rlimits`` report the same). Nothing here comes from the program's
     say-so except its output: a harness that needs a verdict writes it there and checks it itself.
     """
 

@@ -84,13 +84,19 @@ def _supervise(command: list[str], cwd: str | None, environment: dict[str, str],
     finally:
         if timed_out or truncated or process.poll() is None or (mode == "rlimits" and uid is not None):
             kill_tree(process, mode, uid)  # under rlimits a setsid daemon may outlive a program that ended
-        status = process.wait()
+        status = signal_status(process.wait())
         for stream in (process.stdout, process.stderr):
             stream.close()
     exit_code = None if (timed_out or truncated) else status
     return SandboxResult(stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"),
                          exit_code=exit_code, timed_out=timed_out, output_truncated=truncated,
                          duration=time.monotonic() - started, isolation=mode)
+
+
+def signal_status(code: int) -> int:
+    """A death by signal N as exit status ``128 + N``, the one way every path reports it: bubblewrap's way
+    (the only one a fresh full-isolation sandbox can give); ``subprocess`` says ``-N`` under ``rlimits``."""
+    return 128 - code if code < 0 else code
 
 
 def _feed(process: subprocess.Popen, data: bytes) -> None:

@@ -5,10 +5,10 @@
 reads jobs from its standard input: a length-prefixed ``marshal`` of ``(source, stdin_length, limits,
 timeout, max_output)`` from the trainer, then ``stdin_length`` bytes of the program's input. It answers
 each on its standard output with chunks of the program's output, ``O N`` or ``E N`` (stdout, stderr) each
-followed by N bytes, then ``S STATUS TIMED_OUT TRUNCATED`` (``STATUS`` the exit status, ``-N`` for signal
-N, ``-`` when the worker killed it), plain text the trainer parses without ``marshal``. The program's input
-and output move between pipes in the kernel (``splice``) and never enter the worker's memory, which every
-later program is forked from.
+followed by N bytes, then ``S STATUS TIMED_OUT TRUNCATED`` (``STATUS`` the exit status, ``128 + N`` for
+signal N as a fresh sandbox reports it, ``-`` when the worker killed it), plain text the trainer parses
+without ``marshal``. The program's input and output move between pipes in the kernel (``splice``) and never
+enter the worker's memory, which every later program is forked from.
 
 Each program is a fresh child of the worker (``fork``): a new session, the kernel's limits set before its
 first line, its own scratch directory ``/sandbox/run`` as its working directory, its own pipes for its
@@ -51,6 +51,12 @@ def receive():
     if header is None:
         return None
     return marshal.loads(read_exactly(int(header)))
+
+
+def exit_status(raw):
+    """The program's exit status, a death by signal N as ``128 + N`` (as the trainer's other path reports it)."""
+    code = os.waitstatus_to_exitcode(raw)
+    return 128 - code if code < 0 else code
 
 
 def send(answer):
@@ -242,7 +248,7 @@ def run_job(job, c):
         if status is None:
             done, raw = os.waitpid(pid, os.WNOHANG)
             if done:  # the program ended: what it left running ends with it, as a PID namespace's init would
-                status = os.waitstatus_to_exitcode(raw)
+                status = exit_status(raw)
                 kill_all()
         for fd in readable:
             room = cap - sent[fd]
@@ -267,7 +273,7 @@ def run_job(job, c):
             except ChildProcessError:
                 break
             if done:
-                status = os.waitstatus_to_exitcode(raw)
+                status = exit_status(raw)
             elif time.monotonic() > deadline:
                 timed_out = True
                 break
