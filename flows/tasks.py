@@ -17,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 
 from comlrl import tracking
 from comlrl.errors import CheckpointError
+from comlrl.rollout.reward_function import KeepsSampleRows
 from comlrl.utils import read_checkpoint_metadata
 from flows import agents, build, gate as gates, registry, spec as specs
 
@@ -123,8 +124,8 @@ def log_artifacts(identity: dict[str, Any], files: list[tuple[str, str | None]])
 @task(cache_policy=NO_CACHE, persist_result=False, task_run_name="save sample answers")
 def save_sample_table(trainer: Any, path: str) -> str | None:
     """The answers the reward judged last, with their verdicts, as a table file (None when it keeps none)."""
-    reward = getattr(trainer, "reward", None)
-    rows = reward.sample_rows() if callable(getattr(reward, "sample_rows", None)) else []
+    reward = getattr(trainer, "reward", None)  # a preference trainer holds none of its own
+    rows = reward.sample_rows() if isinstance(reward, KeepsSampleRows) else []
     return str(tracking.write_table(rows, path)) if rows else None
 
 

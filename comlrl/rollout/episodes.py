@@ -17,6 +17,7 @@ joint sample that spawned it (:attr:`Turn.parents`), and the scores are kept for
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -160,6 +161,17 @@ def _generate_turn(
     return agent_map(generate, devices_of(agents))
 
 
+def transition_takes_row(transition: Callable[..., Sequence[str]]) -> bool:
+    """Whether ``transition`` is given its episode's dataset row as ``batch_item=``: when it declares that keyword
+    or takes ``**kwargs`` (comlrl 1.4.3's five keywords are given to every transition)."""
+    try:
+        parameters = inspect.signature(transition).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD or (p.name == "batch_item" and p.kind in (
+        inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)) for p in parameters)
+
+
 def _next_prompts(
     transition: Callable[..., Sequence[str]],
     row: dict[str, Any],
@@ -169,15 +181,18 @@ def _next_prompts(
     formatters: Sequence[Formatter],
     passthrough: bool,
     row_index: int,
+    takes_row: bool = False,
 ) -> list[str]:
     num_agents = len(completions)
     task_prompt = row.get("prompt", prompt_history[0][0])
+    row_given = {"batch_item": row} if takes_row else {}
     returned = transition(
         prompt=task_prompt,
         agent_completions=list(completions),
         num_agents=num_agents,
         prompt_history_per_agent=prompt_history,
         response_history_per_agent=response_history,
+        **row_given,
     )
     name = getattr(transition, "__qualname__", repr(transition))
     # Led by the original comlrl's words for the same two faults.
@@ -220,6 +235,7 @@ def rollout_episodes(
     if spec.num_turns > 1 and transition is None:
         raise ValueError(f"external_transition is required for multi-turn: num_turns={spec.num_turns} needs an "
                          "external_transition to produce the next turn's prompts")
+    takes_row = transition is not None and transition_takes_row(transition)
     threshold = spec.early_termination_threshold if spec.num_turns > 1 else None
     if threshold is not None and reward is None:
         raise ValueError("early_termination_threshold needs the reward while rolling out: pass reward=")
@@ -257,7 +273,7 @@ def rollout_episodes(
                 row_index = turn.node_rows[node]
                 new = _next_prompts(
                     transition, rows[row_index], chosen, turn.prompt_history[node], responses,
-                    formatters, passthrough, labels[row_index],
+                    formatters, passthrough, labels[row_index], takes_row,
                 )
                 next_rows.append(row_index)
                 if parents is not None:

@@ -28,6 +28,7 @@ import numpy
 import torch
 
 from comlrl.rollout.reward_calls import BoundedCaller, RewardCallPolicy
+from comlrl.rollout.reward_function import Closable, KeepsSampleRows, ReportsMetrics, RewardFunction
 
 RewardFunc = Callable[..., Sequence[float]]
 
@@ -101,9 +102,9 @@ def resolve_reward_range(reward_func: Callable[..., Any]) -> tuple[float, float]
 
     Raises ``ValueError`` if the declaration is not two finite numbers with minimum < maximum.
     """
-    declared = getattr(reward_func, "reward_range", None)
-    if declared is None:
+    if not isinstance(reward_func, RewardFunction) or reward_func.reward_range is None:
         return None
+    declared = reward_func.reward_range
     if isinstance(declared, (str, bytes)) or not isinstance(declared, Sequence) or len(declared) != 2:
         raise ValueError(_RANGE_SHAPE_ERROR)
     low, high = float(declared[0]), float(declared[1])
@@ -264,9 +265,8 @@ class JointReward:
         task's programs with their verdicts), for a table a run logs; empty for plain functions."""
         rows: list[dict[str, Any]] = []
         for func in self.funcs:
-            keep = getattr(func, "sample_rows", None)
-            if callable(keep):
-                rows += [dict(row) for row in keep()]
+            if isinstance(func, KeepsSampleRows):
+                rows += [dict(row) for row in func.sample_rows()]
         return rows
 
     def drain_monitor_metrics(self) -> dict[str, float]:
@@ -275,9 +275,17 @@ class JointReward:
         task's levels, ``coding/<level>``): called here, once per step and once per evaluation."""
         metrics = {f"monitor/{name}": sum(v) / len(v) for name, v in self._monitor_values.items() if v}
         for func in self.funcs:
-            drain = getattr(func, "drain_metrics", None)
-            if callable(drain):
-                metrics.update({str(key): float(value) for key, value in drain().items()})
+            if isinstance(func, ReportsMetrics):
+                metrics.update({str(key): float(value) for key, value in func.drain_metrics().items()})
         for values in self._monitor_values.values():
             values.clear()
         return metrics
+
+    def close(self) -> None:
+        """End what the reward functions and monitors hold (:class:`~comlrl.rollout.reward_function.Closable`,
+        e.g. the coding task's sandbox), each once; plain functions hold nothing."""
+        closed: list[Any] = []
+        for func in self._all_functions():
+            if isinstance(func, Closable) and not any(func is seen for seen in closed):
+                closed.append(func)
+                func.close()
