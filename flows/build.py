@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from flows.spec import (
     DATA_SUFFIXES,
     DatasetSource,
+    RewardSource,
     RunSpec,
     TinySource,
     data_path,
@@ -60,13 +61,18 @@ def model_source(source: str | TinySource, root: Path, workdir: Path, tracking_u
     return resolved
 
 
-def _callables(value: str | Sequence[str] | None, root: Path) -> Any:
-    """The spec's import paths as callables, through the same allow-list check as validation."""
+def _callables(value: str | RewardSource | Sequence[str | RewardSource] | None, root: Path) -> Any:
+    """The spec's import paths as callables (a reward factory's reward), through the same allow-list check as
+    validation."""
     if value is None:
         return None
-    if isinstance(value, str):
-        return resolve_callable(value, root)
-    return [resolve_callable(path, root) for path in value]
+    if isinstance(value, (str, RewardSource)):
+        return _callable(value, root)
+    return [_callable(path, root) for path in value]
+
+
+def _callable(value: str | RewardSource, root: Path) -> Any:
+    return value.build(root) if isinstance(value, RewardSource) else resolve_callable(value, root)
 
 
 def build_trainer(spec: RunSpec, root: str | Path, workdir: str | Path, callbacks: Sequence[Any] = (),

@@ -2,8 +2,8 @@
 
 A spec is data: it is read with PyYAML's safe loader (no tags that build Python objects; duplicate
 keys and oversized alias expansions are errors, :mod:`flows.spec_yaml`), and the only code it can
-name is by import path (``package.module:function``) for rewards, formatters, transitions and
-dataset entry points, each checked against the allow-list of :mod:`comlrl.imports` before
+name is by import path (``package.module:function``) for rewards (or a reward factory with its keyword
+arguments, :class:`RewardSource`), formatters, transitions and dataset entry points, each checked against the allow-list of :mod:`comlrl.imports` before
 anything is imported. :func:`load_spec` checks the whole file and raises :class:`SpecError` listing
 every problem with its path in the file (``config.num_generations``, ``dataset.train.path`` ...),
 before any model loads.
@@ -188,12 +188,28 @@ class ExecutionSpec(Strict):
 ImportPath = str  # checked by comlrl.imports.resolve_callable, so every bad path is reported with its location
 
 
+class RewardSource(Strict):
+    """A reward built by a factory: ``entry_point`` (``package.module:function``) called with ``kwargs``, e.g.
+    the coding task with its sandbox's settings,
+    ``{entry_point: comlrl.tasks.coding:make_reward, kwargs: {isolation: full, workers: 2, timeout: 10}}``."""
+
+    entry_point: str = Field(pattern=IMPORT_PATH)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def build(self, root: Path) -> Any:
+        """The reward: the factory, through the allow-list as at validation, called with ``kwargs``."""
+        return resolve_callable(self.entry_point, root)(**self.kwargs)
+
+
+RewardEntry = Union[ImportPath, RewardSource]
+
+
 class RunSpec(Strict):
     name: Name = Field(description="Run and MLflow experiment name.")
     algorithm: str
     models: dict[str, Union[ModelSource, list[ModelSource]]]
     dataset: DataSpec
-    reward: Union[ImportPath, list[ImportPath]]
+    reward: Union[RewardEntry, list[RewardEntry]]
     reward_processor: ImportPath | None = None
     formatters: Union[ImportPath, list[ImportPath], None] = None
     transition: ImportPath | None = None
@@ -224,7 +240,7 @@ class RunSpec(Strict):
 
 def _where(location: tuple[Any, ...]) -> str:
     # pydantic adds union-branch names ("str", "TinySource", "list[...]") to locations; drop them.
-    parts = [str(part) for part in location if not re.match(r"^(str|int|none|TinySource|DatasetSource|list\[.*\]|function-.*)$", str(part))]
+    parts = [str(part) for part in location if not re.match(r"^(str|int|none|TinySource|DatasetSource|RewardSource|list\[.*\]|function-.*)$", str(part))]
     return ".".join(parts)
 
 
@@ -448,11 +464,30 @@ def _check_semantics(spec: RunSpec, root: Path) -> list[tuple[str, str]]:
             if path is None:
                 continue
             where = field + (f"[{index}]" if isinstance(value, list) else "")
+            if isinstance(path, RewardSource):
+                problems += reward_source_problems(path, root, where)
+                continue
             try:
                 resolve_callable(path, root)
             except ValueError as error:
                 problems.append((where, str(error)))
     return problems
+
+
+def reward_source_problems(source: RewardSource, root: Path, where: str) -> list[tuple[str, str]]:
+    """A reward factory that is not allowed, or whose signature does not take ``kwargs`` (checked without
+    calling it: building a reward may start its sandbox)."""
+    try:
+        factory = resolve_callable(source.entry_point, root)
+    except ValueError as error:
+        return [(f"{where}.entry_point", str(error))]
+    try:
+        inspect.signature(factory).bind(**source.kwargs)
+    except TypeError as error:
+        return [(f"{where}.kwargs", f"{source.entry_point} does not take {sorted(source.kwargs)}: {error}")]
+    except ValueError:  # no signature to read: the call itself will say
+        pass
+    return []
 
 
 def config_problems(config_class: type, values: dict[str, Any]) -> list[tuple[str, str]]:

@@ -316,15 +316,14 @@ def test_feedback_names_the_syntax_error_line(he0):
 def test_each_joint_program_runs_once_across_reward_and_transition(he0):
     task = CodingTask(Executor(workers=2))
     try:
-        task.remember(he0)
         mains = [HEADER + "    return True\n", HEADER + "    return False\n", HEADER + "    return True\n", ""]
         auxes = [AUX, AUX, AUX, AUX]
         task.rewards([he0] * 4, auxes, mains)
         assert task.executor.runs == 2  # two distinct runnable programs; the one without main never runs
         for aux, main in zip(auxes, mains):
-            task.next_prompts(he0["prompt"], [aux, main])
+            task.transition(he0["prompt"], [aux, main], batch_item=he0)
         assert task.executor.runs == 2
-        task.next_prompts(he0["prompt"], [AUX, HEADER + "    return len(numbers) > 99\n"])
+        task.transition(he0["prompt"], [AUX, HEADER + "    return len(numbers) > 99\n"], batch_item=he0)
         assert task.executor.runs == 3
         metrics = task.drain_metrics()
         assert metrics["coding/total"] == approx(((1.5 + 4 / 7) + (1.5 + 3 / 7) + (1.5 + 4 / 7) + 0.4) / 4)
@@ -335,7 +334,7 @@ def test_each_joint_program_runs_once_across_reward_and_transition(he0):
 
 
 def test_a_transition_for_an_unseen_prompt_is_refused():
-    with pytest.raises(KeyError, match="formatters"):
+    with pytest.raises(KeyError, match="batch_item"):
         feedback_transition("def never_seen():\n    '''nothing'''\n", ["", ""])
 
 

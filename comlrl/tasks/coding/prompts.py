@@ -24,11 +24,14 @@ MAIN_INSTRUCTION = ("Write the Python function {entry_point}{signature} that sol
 SHOWN_FAILURES = 2
 
 
+PREVIOUS_ANSWER = "\n\nYour previous answer:\n"  # where a second turn's text leaves the problem's prompt
+
+
 def signature(problem: Mapping[str, Any]) -> str:
-    """``(a: int, b: int) -> int``: the entry function's parameters and return annotation, from the prompt
-    (``(...)`` when the prompt is not the problem's code, as in a second turn's feedback text)."""
+    """``(a: int, b: int) -> int``: the entry function's parameters and return annotation, from the prompt (in a
+    second turn's feedback text, from the problem's prompt it starts with); ``(...)`` when it is not code."""
     try:
-        body = ast.parse(problem["prompt"]).body
+        body = ast.parse(problem["prompt"].split(PREVIOUS_ANSWER, 1)[0]).body
     except SyntaxError:
         return "(...)"
     for node in body:
@@ -44,8 +47,8 @@ def aux_prompt(row: Mapping[str, Any]) -> str:
 
 
 def main_prompt(row: Mapping[str, Any], problem: Mapping[str, Any] | None = None) -> str:
-    """Agent 1's prompt: the problem's entry function, which may call ``aux``; ``problem`` (the original row)
-    gives the signature when ``row["prompt"]`` is a later turn's text."""
+    """Agent 1's prompt: the problem's entry function, which may call ``aux``; ``problem`` (the original row),
+    when given, is where the signature is read instead of ``row``."""
     shown = signature(problem or row)
     return chat_prompt(MAIN_INSTRUCTION.format(entry_point=row["entry_point"], signature=shown), row["prompt"])
 
@@ -89,5 +92,5 @@ def feedback(problem: Mapping[str, Any], facts: Shape, score: CodeScore, executi
         lines.append("It does not call aux." if not facts.calls_aux else
                      "It calls aux but throws its result away." if facts.ignores_result else "It uses aux.")
     previous = code.strip() or "(nothing)"
-    return (f"{problem['prompt']}\n\nYour previous answer:\n{previous}\n\nFeedback:\n" + "\n".join(lines)
+    return (f"{problem['prompt']}{PREVIOUS_ANSWER}{previous}\n\nFeedback:\n" + "\n".join(lines)
             + "\n\nWrite the corrected function.")

@@ -1,18 +1,18 @@
 """The coding task as the trainers call it: :class:`CodingTask` scores joint answers, reports level metrics
-and writes the second turn's prompts from the first turn's stored execution."""
+and writes the second turn's prompts from the first turn's stored execution; :func:`make_reward` builds one
+with the sandbox settings a run spec gives."""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from comlrl.tasks.coding import program as shape
 from comlrl.tasks.coding.execution import Execution, Executor
 from comlrl.tasks.coding.levels import MAX_TOTAL, CodeScore, Shape, needs_tests, read_shape, score_levels
-from comlrl.tasks.coding.problems import preamble
-from comlrl.tasks.coding.prompts import feedback
+from comlrl.tasks.coding.problems import bundled_problem, preamble
+from comlrl.tasks.coding.prompts import FORMATTERS, feedback
 
 METRIC_PREFIX = "coding/"
 LEVELS = ("structure", "syntax", "tests", "cooperation", "total")
@@ -34,40 +34,49 @@ class Judged:
 
 
 class CodingTask:
-    """Scores (problem, aux completion, main completion) triples; each joint program runs once (:class:`Executor`)."""
+    """The coding task as one object: scores (problem, aux completion, main completion) triples in the trainers'
+    call shape (it is a :class:`~comlrl.rollout.reward_function.RewardFunction`), reports level metrics and
+    sample rows, and writes the second turn's prompts (:meth:`transition`) from the row it is given. Each joint
+    program runs once (:class:`Executor`); :meth:`close` ends the sandbox's workers (at interpreter exit at the
+    latest)."""
+
+    reward_range = (0.0, MAX_TOTAL)
 
     def __init__(self, executor: Executor | None = None) -> None:
         self.executor = executor or Executor()
         self._levels: dict[str, list[float]] = {level: [] for level in LEVELS}
         self._all_passed: list[float] = []
-        self._problems: OrderedDict[str, Mapping[str, Any]] = OrderedDict()  # by the problem's own prompt
-        self._by_task: dict[str, Mapping[str, Any]] = {}
         self._samples: list[dict[str, Any]] = []  # answers judged since the last drain
         self._last_samples: list[dict[str, Any]] = []  # those of the last step or evaluation that judged any
         self._lock = threading.Lock()
+        self.__name__ = self.__qualname__ = "CodingTask"  # how a reward is named in errors and records
 
-    def remember(self, problem: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Note a problem by its prompt text, which is all a transition is given of its row, and return the
-        problem as first seen: a later turn's row (its ``prompt`` the feedback text) does not replace it. A row
-        without ``task_id`` (a registered team's input: prompt and entry point) is returned as it is."""
-        if "task_id" not in problem:
-            return problem
-        with self._lock:
-            known = self._by_task.get(problem["task_id"])
-            if known is not None:
-                return known
-            known = self._by_task[problem["task_id"]] = dict(problem)
-            self._problems[problem["prompt"]] = known
-            while len(self._problems) > 4096:
-                _, dropped = self._problems.popitem(last=False)
-                self._by_task.pop(dropped["task_id"], None)
-            return known
+    def __call__(self, completions_0: Sequence[str], completions_1: Sequence[str],
+                 batch_items: Sequence[Mapping[str, Any]] | None = None) -> list[float]:
+        """The joint reward, in [0, 4], of each (aux, main) pair for its row's problem (``batch_items``)."""
+        if batch_items is None:
+            raise ValueError("the coding reward needs batch_items (the HumanEval rows) to know each problem")
+        return self.rewards(batch_items, completions_0, completions_1)
+
+    @property
+    def formatters(self) -> tuple[Any, Any]:
+        """The two roles' prompts (:func:`comlrl.tasks.coding.prompts.aux_prompt`, ``main_prompt``): pure."""
+        return FORMATTERS
+
+    def close(self) -> None:
+        """End the sandbox's warm workers and remove their folders (a later call starts them anew)."""
+        self.executor.close()
+
+    def __enter__(self) -> "CodingTask":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def judge_many(self, problems: Sequence[Mapping[str, Any]], aux: Sequence[str], main: Sequence[str]) -> list[Judged]:
         """Judge joint answers; the programs that reach the tests level run in the sandbox together."""
         pending = []
         for problem, aux_completion, main_completion in zip(problems, aux, main):
-            self.remember(problem)
             aux_kept, main_kept = shape.extract_code(aux_completion), shape.extract_code(main_completion)
             aux_code = shape.without(aux_kept.code, problem["entry_point"])
             main_code = shape.without(main_kept.code, shape.AUX)
@@ -123,17 +132,27 @@ class CodingTask:
                 self._last_samples, self._samples = self._samples, []
         return metrics
 
-    def next_prompts(self, prompt: str, agent_completions: Sequence[str]) -> list[str]:
-        """The second turn's problem text for both agents, from the first turn's stored execution."""
-        with self._lock:
-            problem = self._problems.get(prompt)
+    def transition(self, prompt: str, agent_completions: Sequence[str], *, batch_item: Mapping[str, Any] | None = None,
+                   **_: Any) -> list[str]:
+        """``external_transition`` for two turns: each agent's next problem text carries its first answer and the
+        feedback from that answer's stored execution. The problem is ``batch_item`` (the episode's row, which the
+        rollout passes); without one, the bundled HumanEval problem whose prompt is ``prompt``."""
+        problem = batch_item if batch_item is not None else bundled_problem(prompt)
         if problem is None:
-            raise KeyError("the coding transition got a prompt it has not seen formatted or scored; use the task's "
-                           "formatters (comlrl.tasks.coding.aux_prompt, main_prompt) with its reward")
+            raise KeyError("the coding transition got a prompt that is no bundled HumanEval problem and no row: call "
+                           "it as the rollout does, with batch_item= (the row the formatters were given)")
         item, = self.judge_many([problem], [agent_completions[0]], [agent_completions[1]])
         return [feedback(problem, item.facts, item.score, item.execution, role, code, error)
                 for role, (code, error) in enumerate(((item.aux_code, item.aux_error),
                                                       (item.main_code, item.main_error)))]
 
 
-REWARD_RANGE = (0.0, MAX_TOTAL)
+REWARD_RANGE = CodingTask.reward_range
+
+
+def make_reward(*, isolation: str = "full", workers: int | None = None, timeout: float = 10.0,
+                call_timeout: float = 3.0, memory_mb: int = 512, warm: bool | None = None) -> CodingTask:
+    """A coding task with its own sandbox (:class:`Executor`'s settings), e.g. from a run spec:
+    ``reward: {entry_point: comlrl.tasks.coding:make_reward, kwargs: {isolation: full, workers: 2, timeout: 10}}``."""
+    return CodingTask(Executor(isolation=isolation, workers=workers, timeout=timeout, call_timeout=call_timeout,
+                               memory_mb=memory_mb, warm=warm))
