@@ -19,7 +19,7 @@ from comlrl import tracking
 from comlrl.errors import CheckpointError
 from comlrl.rollout.reward_function import KeepsSampleRows
 from comlrl.utils import read_checkpoint_metadata
-from flows import agents, build, gate as gates, registry, spec as specs
+from flows import agents, build, gate as gates, new_mlflow_run, registry, spec as specs
 
 # In-memory hand-overs: never cached, never persisted.
 memory_task = task(cache_policy=NO_CACHE, persist_result=False)
@@ -52,6 +52,8 @@ def open_tracking(tracking_uri: str, experiment: str, run_id: str, checkpoint: s
     of another run (its run id or spec hash, or the tags of the MLflow run it names, differ from ``tags``) is
     refused, a :class:`~comlrl.errors.CheckpointError`, before anything in MLflow changes."""
     identity = read_checkpoint_metadata(checkpoint).get("mlflow") if checkpoint else None
+    if checkpoint:  # unless `comlrl resume --new-mlflow-run` replaced that MLflow run (flows/new_mlflow_run.py)
+        identity = new_mlflow_run.identity(checkpoint, identity, tracking_uri, experiment, artifact_root, tags)
     return tracking.open_run(tracking_uri, experiment, run_id, identity, artifact_root, tags, checkpoint=checkpoint)
 
 
