@@ -168,16 +168,61 @@ class WithoutTraceback(logging.Formatter):
             record.exc_info, record.exc_text, record.stack_info = kept
 
 
-def tracebacks_to(log: Path) -> logging.Handler:
-    """Every record the console loggers see, tracebacks included, also goes to ``log`` (appended); their console
-    handlers stop printing tracebacks. The console loggers are the root logger (Prefect's handlers) and each
-    logger with handlers of its own that does not propagate (MLflow's ``mlflow``, configured here by importing
-    it, so that its database errors too leave their tracebacks in the file). Call after Prefect has configured
-    logging (it does on import). Returns the file's handler."""
+class LogFile(logging.FileHandler):
+    """The run's log file, appended. A record that cannot be written (a full disk) is counted and dropped, and the
+    file is reopened for the next one, so the records written once there is room again are kept. It never goes
+    through logging's own error report: that prints a traceback to standard error, which Prefect's print-to-log
+    (``log_prints``) hands back to this handler as a record, whose failure prints again, until Python's recursion
+    limit (thousands of console lines, and a RecursionError raised into training)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, encoding="utf-8")
+        self.lost = 0  # records not written
+        self.error: BaseException | None = None  # why the first of them was not
+        self.last_lost = False  # whether the latest record was lost
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if self.stream is None:
+                self.stream = self._open()
+        except OSError:
+            self.handleError(record)
+            return
+        self.last_lost = False
+        logging.StreamHandler.emit(self, record)
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        self.lost += 1
+        self.last_lost = True
+        if self.error is None:
+            self.error = sys.exc_info()[1]
+        stream, self.stream = self.stream, None  # reopened for the next record; what it buffered is dropped
+        if stream is not None:
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    def trouble(self) -> str | None:
+        """What the closing line says of this file when records were lost (None when all were written)."""
+        if not self.lost:
+            return None
+        why = f"{type(self.error).__name__}: {self.error}" if self.error is not None else "unknown"
+        if self.last_lost:
+            return f"the traceback could not be written to {self.baseFilename} ({why}); --verbose prints it"
+        return f"traceback: {self.baseFilename}, which lost {self.lost} earlier records ({why})"
+
+
+def tracebacks_to(log: Path) -> LogFile:
+    """Every record the console loggers see, tracebacks included, also goes to ``log`` (appended, :class:`LogFile`);
+    their console handlers stop printing tracebacks. The console loggers are the root logger (Prefect's handlers)
+    and each logger with handlers of its own that does not propagate (MLflow's ``mlflow``, configured here by
+    importing it, so that its database errors too leave their tracebacks in the file). Call after Prefect has
+    configured logging (it does on import). Returns the file's handler."""
     import mlflow  # noqa: F401  (configures its loggers: its own console handler, not propagating to the root)
 
     log.parent.mkdir(parents=True, exist_ok=True)
-    keeper = logging.FileHandler(log, encoding="utf-8")
+    keeper = LogFile(log)
     keeper.setFormatter(logging.Formatter(LOG_FORMAT))
     for logger in console_loggers():
         for handler in logger.handlers:
@@ -186,6 +231,15 @@ def tracebacks_to(log: Path) -> logging.Handler:
                 handler.setFormatter(WithoutTraceback(handler.formatter))
         logger.addHandler(keeper)
     return keeper
+
+
+def log_file_trouble(log: Path) -> str | None:
+    """What the closing line says of the run's log file ``log`` when the :class:`LogFile` writing it lost records
+    (:meth:`LogFile.trouble`); None when it lost none or is not attached."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, LogFile) and Path(handler.baseFilename) == Path(os.path.abspath(log)):
+            return handler.trouble()
+    return None
 
 
 def console_loggers() -> list[logging.Logger]:
