@@ -198,15 +198,26 @@ def summary(error: BaseException) -> str:
 
 def failure_line(run_id: str | None, workdir: str, error: BaseException | str, log: Path | None) -> str:
     """What failed, where its traceback is, and what to do: ``comlrl resume`` only when the run has a checkpoint
-    to continue from and the error is not one a resume meets again (the run refused, a checkpoint refused)."""
+    to continue from and the error is not one a resume meets again (the run refused, a checkpoint refused). A full
+    disk under the run (the error says so, or one of its disks has less than ``full_disk.FULL_BELOW`` free,
+    whatever failed first) is named with its free space; a log file that lost the traceback says so."""
     from comlrl.errors import CheckpointError
+    from flows import full_disk
+    from flows.console import log_file_trouble
     from flows.runs import RunRefused
 
     name = run_id or "RUN_ID"  # --init-from without --run-id: the flow derived it; the user reads it there
     cause = summary(error) if isinstance(error, BaseException) else first_line(error)
-    where = f" (traceback: {log})" if log is not None else ""
+    trouble = log_file_trouble(log) if log is not None else None
+    where = f" ({trouble})" if trouble else f" (traceback: {log})" if log is not None else ""
     if isinstance(error, (RunRefused, CheckpointError)):
         return f"run {name} was refused: {error}{where}"
+    places = [Path(workdir).resolve(), *([log.parent] if log is not None else []),
+              *filter(None, [full_disk.store_directory(os.environ.get("MLFLOW_TRACKING_URI"))])]
+    disk = full_disk.described(error, places)
+    if disk is not None:
+        return (f"run {name} failed: {cause}; the disk is full: {disk.describe()}{where}; "
+                f"{advice(run_id, workdir, f'after freeing space on {disk.mount}, ')}")
     return f"run {name} failed: {cause}{where}; {advice(run_id, workdir, 'after fixing the cause, ')}"
 
 

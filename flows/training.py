@@ -43,7 +43,7 @@ from comlrl import tracking
 from comlrl.checkpointing import CHECKPOINT_PREFIX, list_checkpoints, read_history, read_metadata
 from comlrl.errors import TrainingInterrupted
 from comlrl.progress import Boundary
-from flows import agents, artifacts, boundaries, orchestrator, tasks
+from flows import agents, artifacts, boundaries, full_disk, orchestrator, tasks
 from comlrl.executables import executable
 from flows.progress import ProgressArtifact, StepProgress, emit
 from flows.registry import team_model_name
@@ -343,7 +343,9 @@ def stop_message(session: Session) -> str:
 
 def end_tracking(session: Session, status: str) -> None:
     """Mark the MLflow run ``status`` (KILLED, FAILED; a resume sets it RUNNING again) and deliver what the
-    spool holds (bounded; the rest waits for a resume or ``comlrl sync``); never masks the real error."""
+    spool holds (bounded; the rest waits for a resume or ``comlrl sync``); never masks the real error. The room
+    the run kept (:func:`flows.full_disk.keep_room`) is freed first: on a full disk, it takes the status."""
+    full_disk.release_room()
     try:
         session.callback.set_status(status)
         session.callback.close()
@@ -410,10 +412,14 @@ def train_flow(
         spec = tasks.use_registered_agents(spec, tracking_uri, init_from_alias)
     run = prepare_run(spec, spec_path, run_id, workdir, root)
     lock = claim_run(run)  # refused while another process trains this run
+    # Room to record the run's end if its disk fills (released by end_tracking, and here at any end).
+    full_disk.keep_room([run.directory, *filter(None, [full_disk.store_directory(tracking_uri)])],
+                        f".comlrl-room-{run.run_id}")
     try:  # so earlier flow runs of this run that the server still shows "Running" are stale
         orchestrator.crash_stale_flow_runs(run.run_id, flow_run.id, flow_run.name or run.run_id)
         return train_run(spec, run, root, tracking_uri)
     finally:
+        full_disk.release_room()
         lock.release()
 
 
