@@ -419,8 +419,50 @@ class MLflowCallback(TrainerCallback):
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self._put({"artifact_source": str(Path(path).resolve()), "artifact_path": artifact_path})
 
-    def set_status(self, status: str = "FINISHED") -> None:
-        self._put({"status": status, "end_time": int(time.time() * 1000)})
+    def set_status(self, status: str = "FINISHED") -> bool:
+        """Spool the run's final ``status`` (delivered after everything sent before it). On a closed callback (the
+        end of a run closes it before registration) it is delivered here, at once: MLflow's side of the run may
+        already read another status (``mlflow.start_run`` ends the run it reopened FINISHED, or FAILED, as its
+        block exits), which a status waiting in the spool would leave standing. Whether it was delivered (an open
+        callback: whether it was spooled; its close delivers it)."""
+        record = {"status": status, "end_time": int(time.time() * 1000)}
+        if self.closed:
+            return self._deliver_now(record)
+        self._put(record)
+        return not self.sender.unwritten
+
+    def _deliver_now(self, record: dict[str, Any]) -> bool:
+        """``record`` spooled and the spool delivered from this thread, within :attr:`drain_timeout` seconds (at
+        least one); when the spool cannot take it (a full disk), sent straight to MLflow, and not kept for
+        ``comlrl sync``. Whether MLflow took it; a warning says what was left where when it did not."""
+        uri, run_id = self.identity["tracking_uri"], self.identity["run_id"]
+        spooled = False
+
+        def deliver() -> None:
+            nonlocal spooled
+            self.spool.lock()  # the sender released it when the callback closed
+            try:
+                try:
+                    self.spool.append([record])
+                    spooled = True
+                except OSError as error:
+                    logger.warning("tracking spool %s cannot take MLflow run %s's status %s (%s); sent to MLflow "
+                                   "directly", self.spool.path, run_id, record["status"], error)
+                    mlflow_client(uri).set_terminated(run_id, record["status"], record["end_time"])
+                    return
+                self.spool.deliver(mlflow_client(uri))
+            finally:
+                self.spool.unlock()
+
+        try:
+            call_with_deadline(deliver, f"MLflow at {uri}", max(self.drain_timeout, 1.0))
+            return True
+        except Exception as error:
+            kept = (f"it waits in {self.spool.path}: {executable('comlrl')} sync {self.spool.directory} delivers it"
+                    if spooled else "a resume of the run sets its status")
+            logger.warning("MLflow run %s could not be marked %s (%s); %s", run_id, record["status"],
+                           str(error)[:300], kept)
+            return False
 
     def _put(self, record: dict[str, Any]) -> None:
         self.sender.put(record)
