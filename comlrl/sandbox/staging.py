@@ -119,16 +119,14 @@ def stage(label: str, files: dict[str, Path]) -> Path:
             shutil.copyfile(source, copy)
             os.chmod(copy, FOLDER_MODE if os.stat(source).st_mode & stat.S_IXUSR else FILE_MODE)
         os.chmod(fresh, FOLDER_MODE)
-        if target.exists() or target.is_symlink():  # a copy that failed its check: never run, replaced
-            if target.is_symlink() or not target.is_dir():
-                target.unlink()
-            else:
-                shutil.rmtree(target)
         try:
-            os.rename(fresh, target)
-        except OSError:  # another process staged the same set first
-            if not matches(target, files):
-                raise
+            os.rename(fresh, target)  # only where no folder of that name exists
+        except OSError:
+            if not matches(target, files):  # not another process's finished copy: a changed one, never run
+                aside = Path(tempfile.mkdtemp(prefix=".replaced-", dir=root))
+                os.rename(target, aside / "old")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.rename(fresh, target)
     except OSError as error:
         raise StagingError(f"could not stage the sandbox's files in {root}: {error}") from error
     finally:

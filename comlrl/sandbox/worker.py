@@ -117,9 +117,15 @@ def others_left():
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != me]
 
 
+KILL_DEADLINE = 20.0  # seconds: on a loaded machine a fork bomb's processes take long to die and be reaped
+
+
 def kill_all():
-    """Kill every process in the sandbox but the worker (its PID 1), and reap them."""
-    for _ in range(100):
+    """Kill every process in the sandbox but the worker (its PID 1), and reap them: repeated until none is left,
+    by a deadline in time rather than a count of rounds (a count ran out on a machine at load 10, leaving a fork
+    bomb's processes for the next program). Past the deadline the worker exits and the trainer starts a new slot."""
+    deadline, pause = time.monotonic() + KILL_DEADLINE, 0.001
+    while True:
         try:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
@@ -127,7 +133,10 @@ def kill_all():
         reap()
         if not others_left():
             return
-        time.sleep(0.001)
+        if time.monotonic() > deadline:
+            os._exit(70)  # never serve the next program beside a survivor
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def reap():
