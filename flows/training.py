@@ -441,21 +441,35 @@ def train_run(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str) -> Any
     progress_artifact = ProgressArtifact(artifacts.artifact_key(run.run_id, "progress"),
                                          f"Run {run.run_id}: training steps done", interval=PROGRESS_INTERVAL)
     publisher = artifacts.BackgroundPublisher()  # the boundaries' table artifact, off the training thread
+    session = None
     try:
-        session = run_boundaries(spec, run, root, tracking_uri, progress_artifact, publisher)
-        stopped = session.run.stopped
-        if stopped is not None:
-            return stopped_state(session, stopped, stop_message(session))
         try:
-            tasks.finish_training(quote(session.run))
-        except TrainingInterrupted as stopped:  # a stop signal while the final checkpoint was written
-            end_tracking(session, "KILLED")
-            return stopped_state(session, stopped, f"{stopped}; finish it with: {executable('comlrl')} resume "
-                                                   f"{run.run_id} --workdir {run.workdir}")
+            session = run_boundaries(spec, run, root, tracking_uri, progress_artifact, publisher)
+            stopped = session.run.stopped
+            if stopped is not None:
+                return stopped_state(session, stopped, stop_message(session))
+            try:
+                tasks.finish_training(quote(session.run))
+            except TrainingInterrupted as stopped:  # a stop signal while the final checkpoint was written
+                end_tracking(session, "KILLED")
+                return stopped_state(session, stopped, f"{stopped}; finish it with: {executable('comlrl')} resume "
+                                                       f"{run.run_id} --workdir {run.workdir}")
+        finally:
+            progress_artifact.close()
+            publisher.close()
+        return finish(session, spec, run, root)
     finally:
-        progress_artifact.close()
-        publisher.close()
-    return finish(session, spec, run, root)
+        if session is not None:  # what the run's rewards hold (the coding task's sandbox) ends with the run
+            close_rewards(session.trainer)
+
+
+def close_rewards(trainer: Any) -> None:
+    """Close the trainer's joint rewards: the one it trains on and, for MARLHF, the task reward its learned reward
+    replaced (each :meth:`~comlrl.rollout.rewards.JointReward.close` closes its functions once)."""
+    rewards = [trainer.reward, getattr(trainer, "task_reward", None)]
+    for index, reward in enumerate(rewards):
+        if reward is not None and all(reward is not earlier for earlier in rewards[:index]):
+            reward.close()
 
 
 def training_flow(spec: RunSpec) -> Flow:
