@@ -76,13 +76,23 @@ def _bad_run_id(run_id: str | None) -> bool:
 
 def _refused_by_preflight(spec, args: argparse.Namespace, root: str) -> bool:
     """Print every problem of the data files, --workdir, the run and the servers (flows/preflight.py), one line
-    each; whether there was one."""
+    each; whether there was one. With ``resume --new-mlflow-run`` and none, the run's request for a new MLflow run is
+    recorded (flows/new_mlflow_run.py), or why it cannot be is the problem."""
     from flows.preflight import preflight
-    from flows.runs import default_run_id
+    from flows.runs import RunPaths, default_run_id
 
     # With --init-from and no --run-id the flow derives the run id from the pinned spec: its run is checked there.
     run_id = args.run_id or (None if spec is None or args.init_from else default_run_id(spec))
-    problems = preflight(spec, args.workdir, root, run_id)
+    replace_mlflow_run = getattr(args, "new_mlflow_run", False)
+    problems = preflight(spec, args.workdir, root, run_id, new_mlflow_run=replace_mlflow_run)
+    if not problems and spec is not None and replace_mlflow_run:
+        from flows import new_mlflow_run
+
+        try:
+            new_mlflow_run.request(RunPaths(run_id, Path(args.workdir).resolve()))
+        except (ValueError, OSError) as error:
+            problems.append(str(error) if isinstance(error, ValueError) else
+                            f"run {run_id!r}: the request for a new MLflow run could not be written ({error})")
     for problem in problems:
         print(f"comlrl: {problem}", file=sys.stderr)
     return bool(problems)
@@ -377,8 +387,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("resume", resume, "continue a failed or cancelled run after its last completed boundary",
             "Re-run RUN_ID with the spec it was started with: the run's newest checkpoint (a boundary's, or the "
             "checkpoint-N-stepS a stop signal or failure left) is restored, finished boundaries are not run again, "
-            "metrics go to the same MLflow run, and the final models equal an uninterrupted run's.")
+            "metrics go to the same MLflow run (with --new-mlflow-run, to a new one of the same experiment), and the "
+            "final models equal an uninterrupted run's.")
     p.add_argument("run_id", help="the run id (a directory under WORKDIR/runs)")
+    p.add_argument("--new-mlflow-run", action="store_true",
+                   help="log to a new MLflow run of the same experiment instead of the one the run's checkpoints name "
+                        "(for a run whose MLflow run was deleted or whose store is gone): it gets the metrics logged "
+                        "up to the checkpoint from the run's records and the tag comlrl.previous_mlflow_run_id")
     p.add_argument("--verbose", action="store_true", help=VERBOSE_HELP)
 
     p = add("serve", serve, "serve scheduled retraining from the champion (needs a Prefect server)",

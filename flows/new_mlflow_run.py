@@ -8,7 +8,9 @@ experiment (by name), tagged with the run id, the spec hash and the replaced run
 the history so far into that run's tracking spool, where the run's sender delivers it first: the replaced run's metric
 points up to the checkpoint (from the run's own spool of it, every point with its step and time), or, without that
 spool, the checkpoint's step history. The record then names the new run, so a retry or a later resume before the next
-checkpoint logs there too; the next checkpoint names it itself, and the record no longer applies.
+checkpoint logs there too; the next checkpoint names it itself, and the record no longer applies. The identity also
+carries ``history_bytes``, the spool offset where the run's own records begin (the points before it are the history
+the checkpoint resumes, as a checkpoint's spool offset says for the run it names).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def newest_identity(run: RunPaths) -> tuple[Path | None, dict[str, Any] | None]:
 
 
 def read_record(directory: Path) -> dict[str, Any] | None:
-    """The run directory's request for a new MLflow run (None: none, or unreadable: then the checkpoint's run is used)."""
+    """The run directory's request for a new MLflow run (None: there is none, or it is unreadable: then the
+    checkpoint's MLflow run is used)."""
     try:
         record = json.loads((directory / RECORD).read_text())
     except (OSError, ValueError):
@@ -98,12 +101,12 @@ def identity(checkpoint: str | Path, recorded: dict[str, Any] | None, tracking_u
     owner = recorded.get("owner") or {}
     if record.get("run_id"):
         return {"run_id": record["run_id"], "experiment_id": record.get("experiment_id"), "tracking_uri": tracking_uri,
-                "owner": owner}
+                "owner": owner, "history_bytes": record.get("history_bytes")}
     new = start_run(checkpoint, recorded, tracking_uri, experiment, artifact_root, tags)
     points = history_points(directory, checkpoint, recorded)
-    write_history(directory / "tracking" / new["run_id"], new, points)
+    new["history_bytes"] = write_history(directory / "tracking" / new["run_id"], new, points)
     write_record(directory, {**record, "run_id": new["run_id"], "experiment_id": new["experiment_id"],
-                             "tracking_uri": tracking_uri})
+                             "tracking_uri": tracking_uri, "history_bytes": new["history_bytes"]})
     steps = sorted({point[3] for point in points})
     logger.warning("run %s continues in the new MLflow run %s of experiment %r, replacing %s (tag %s); the %d metric "
                    "values it logged up to %s (steps %s) are logged there first", tags.get("comlrl.run_id"),
@@ -173,16 +176,18 @@ def spool_offset(checkpoint: Path, mlflow_run_id: str) -> int | None:
     return None
 
 
-def write_history(spool_directory: Path, new: dict[str, Any], points: list[list[Any]]) -> None:
-    """``points`` as the first records of the new run's spool (created), which the run's sender delivers."""
+def write_history(spool_directory: Path, new: dict[str, Any], points: list[list[Any]]) -> int:
+    """``points`` as the first records of the new run's spool (created), which the run's sender delivers; the
+    spool's size after them (``history_bytes``: where the run's own records begin)."""
     from comlrl.tracking_spool import Spool
 
     spool = Spool(spool_directory, new)
     if spool.size > spool.header_end:
-        return  # an earlier attempt of this request wrote them
+        return spool.size  # an earlier attempt of this request wrote them, and nothing came after
     spool.lock()
     try:
         spool.append([{"metrics": points[start:start + POINTS_PER_RECORD]}
                       for start in range(0, len(points), POINTS_PER_RECORD)])
     finally:
         spool.unlock()
+    return spool.size

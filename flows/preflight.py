@@ -3,10 +3,11 @@
 The spec is validated by :mod:`flows.spec`; this module looks at what the spec points to and at the place the run
 will live: the dataset files (well-formed, not empty, a text ``prompt`` in every row when no formatters are
 given), the working directory (can be created, is writable, has room for a checkpoint), the run the run id names
-(started from this spec, not trained by another process right now) and the servers named by
-``MLFLOW_TRACKING_URI`` / ``PREFECT_API_URL`` (well-formed, answering). :func:`preflight` returns every problem as
-one line naming the file, column, row, directory or variable and the fix; it starts no server, opens no MLflow run
-and loads no model, so a refused run costs seconds and leaves nothing behind (docs/pipeline.md, "The preflight").
+(started from this spec, its directory writable, not trained by another process right now, its MLflow run still in
+MLflow) and the stores and servers named by ``MLFLOW_TRACKING_URI`` / ``PREFECT_API_URL`` (well-formed, a local store
+that can be created, a server answering). :func:`preflight` returns every problem as one line naming the file,
+column, row, directory or variable and the fix; it starts no server, opens no MLflow run and loads no model, so a
+refused run costs seconds and leaves nothing behind (docs/pipeline.md, "The preflight").
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shlex
 import shutil
 import tempfile
 import threading
@@ -24,8 +26,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Mapping
 
+from comlrl.executables import executable
 from flows.runs import RunLock, RunPaths
-from flows.tracking_store import workdir_uri_problem
+from flows.tracking_store import embedded_tracking_uri, workdir_uri_problem
 from flows.spec import DatasetSource, RunSpec, TinySource, data_path, model_path_or_id, spec_hash
 
 PROMPT = "prompt"  # the column comlrl.data.default_formatter reads when a spec names no formatters
@@ -41,15 +44,19 @@ TRACKING_FIX = "or unset it to use the embedded store under --workdir"
 PREFECT_FIX = "or unset it to use the embedded default (a Prefect server the command starts itself)"
 
 
-def preflight(spec: RunSpec | None, workdir: str, root: str | Path, run_id: str | None = None) -> list[str]:
+def preflight(spec: RunSpec | None, workdir: str, root: str | Path, run_id: str | None = None,
+              new_mlflow_run: bool = False) -> list[str]:
     """Every problem the run would meet outside its spec, one line each (empty: go). Without a ``spec`` (it was
     refused) the working directory and the servers are still checked, so one refusal lists everything.
-    ``run_id`` is checked against the run it names when that run exists (None: not checked)."""
+    ``run_id`` is checked against the run it names when that run exists (None: not checked); with
+    ``new_mlflow_run`` (``comlrl resume --new-mlflow-run``) its MLflow run is not looked for: it is replaced."""
     problems = dataset_problems(spec, Path(root)) if spec is not None else []
     problems += workdir_problems(workdir, checkpoint_bytes(spec, Path(root)) if spec is not None else 0)
-    if spec is not None and run_id:
-        problems += run_problems(spec, run_id, workdir)
-    return problems + service_problems(os.environ)
+    services = service_problems(os.environ)
+    if spec is not None and run_id:  # its MLflow run is asked for only where the store's URI itself is fine
+        ask = not new_mlflow_run and not any(line.startswith("MLFLOW_TRACKING_URI=") for line in services)
+        problems += run_problems(spec, run_id, workdir, ask_mlflow=ask)
+    return problems + services
 
 
 # ---- datasets ---------------------------------------------------------------------------------------------------
@@ -240,20 +247,14 @@ def workdir_problems(workdir: str, needed_bytes: int) -> list[str]:
     """Whether ``workdir`` exists or can be created, takes a file, and has ``needed_bytes`` free. Nothing is left
     behind: a missing directory is not created, its nearest existing parent is tried instead."""
     path = Path(os.path.abspath(workdir))
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(path)
     name = f"--workdir {str(path)!r}"
     if (unnamable := workdir_uri_problem(path)) is not None:
         return [unnamable]
     if not existing.is_dir():
         where = "is a file" if existing == path else f"cannot be created: {str(existing)!r} is a file"
         return [f"{name} {where}, not a directory: choose another --workdir"]
-    try:
-        handle, probe = tempfile.mkstemp(prefix=".comlrl-preflight-", dir=existing)
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as error:
+    if (error := refuses_a_file(existing)) is not None:
         holder = "" if existing == path else f" (its nearest existing parent {str(existing)!r})"
         return [f"{name}{holder} is not writable ({error.strerror or error}): fix its permissions or mount, or "
                 "choose another --workdir"]
@@ -264,12 +265,34 @@ def workdir_problems(workdir: str, needed_bytes: int) -> list[str]:
     return []
 
 
+def refuses_a_file(directory: Path) -> OSError | None:
+    """Why ``directory`` does not take a new file (a read-only mount, permissions, a file system like /proc), or
+    None: a temporary file is created there and removed."""
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".comlrl-preflight-", dir=directory)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as error:
+        return error
+    return None
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path``, or the nearest of its parents that exists."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 # ---- the run's own directory ------------------------------------------------------------------------------------
 
-def run_problems(spec: RunSpec, run_id: str, workdir: str) -> list[str]:
+def run_problems(spec: RunSpec, run_id: str, workdir: str, ask_mlflow: bool = True) -> list[str]:
     """An existing run ``run_id`` that this spec cannot continue: started from another spec (its ``spec.sha256``),
-    or trained right now by another process (it holds ``flow.lock``). A run that does not exist yet has none."""
+    a directory it cannot write in, trained right now by another process (it holds ``flow.lock``), or (``ask_mlflow``)
+    an MLflow run that is gone (:func:`mlflow_run_problems`). A run that does not exist yet has none."""
     run = RunPaths(run_id, Path(os.path.abspath(workdir)))
+    if not run.directory.is_dir():
+        return []
     problems = []
     stamp = run.directory / "spec.sha256"
     if stamp.is_file():
@@ -278,14 +301,93 @@ def run_problems(spec: RunSpec, run_id: str, workdir: str) -> list[str]:
             problems.append(f"run {run_id!r} was started from another spec (hash {started[:10]}; this one "
                             f"{given[:10]}, so the spec or its copy {str(run.spec_copy)!r} was edited): undo the edit, "
                             "or give this spec a new --run-id")
-    if (run.directory / "flow.lock").is_file():
+    unwritable = run_directory_problem(run)
+    if unwritable is not None:
+        problems.append(unwritable)
+    elif (run.directory / "flow.lock").is_file():
         lock = RunLock(run)
-        if lock.acquire():
-            lock.release()
+        try:
+            free = lock.acquire()
+        except OSError as error:  # the lock file itself cannot be opened (its permissions)
+            problems.append(f"run {run_id!r} cannot be locked: {str(lock.path)!r} cannot be opened "
+                            f"({error.strerror or error}): fix its permissions, then run the same command again")
         else:
-            problems.append(f"run {run_id!r} is being trained by another process (it holds {str(lock.path)!r}): wait "
-                            "for it to end, or give this run another --run-id")
+            if free:
+                lock.release()
+            else:
+                problems.append(f"run {run_id!r} is being trained by another process (it holds {str(lock.path)!r}): "
+                                "wait for it to end, or give this run another --run-id")
+    if ask_mlflow:
+        problems += mlflow_run_problems(run, spec.name, os.environ)
     return problems
+
+
+def run_directory_problem(run: RunPaths) -> str | None:
+    """Why the run cannot write where a resume writes (its directory: the lock, ``boundaries.jsonl``; its
+    checkpoints; its tracking spools), or None."""
+    for directory in (run.directory, run.checkpoints, run.directory / "tracking"):
+        if directory.is_dir() and (error := refuses_a_file(directory)) is not None:
+            return (f"run {run.run_id!r} cannot be written: {str(directory)!r} is not writable "
+                    f"({error.strerror or error}), and a resume writes its lock, checkpoints and records there: fix "
+                    "its permissions or mount, then run the same command again")
+    return None
+
+
+def mlflow_run_problems(run: RunPaths, experiment: str, environ: Mapping[str, str]) -> list[str]:
+    """The MLflow run that the run's newest checkpoint logs to, when MLflow no longer has it (deleted, or its store
+    gone): a resume could not log there (each of its records refused, then the run failed), so the line offers to
+    continue in a new MLflow run of the same experiment (``comlrl resume --new-mlflow-run``)."""
+    from flows import new_mlflow_run
+
+    try:
+        checkpoint, recorded = new_mlflow_run.newest_identity(run)
+    except Exception:  # a damaged checkpoint: restoring it names what is wrong
+        return []
+    mlflow_run_id = new_mlflow_run.logs_to(run, recorded)
+    if checkpoint is None or mlflow_run_id is None:
+        return []
+    uri = environ.get("MLFLOW_TRACKING_URI", "").strip() or embedded_tracking_uri(run.workdir)
+    store = local_store(uri)
+    if store is not None and not store.exists():
+        deleted, why = False, f"its MLflow store {str(store)!r} is gone"
+    else:
+        gone = mlflow_run_gone(uri, mlflow_run_id)
+        if gone is None:
+            return []
+        deleted, why = gone
+    recorded_at = recorded.get("tracking_uri")
+    if recorded_at and recorded_at != uri:
+        why += f" (the run logged to {redacted(recorded_at)}: to resume there, set MLFLOW_TRACKING_URI to it)"
+    named = (f"{checkpoint.name} names it" if mlflow_run_id == recorded["run_id"] else
+             f"it replaced {recorded['run_id']}, which {checkpoint.name} names")
+    resume = f"{executable('comlrl')} resume {run.run_id} --workdir {shlex.quote(str(run.workdir))}"
+    line = (f"run {run.run_id!r} logs to MLflow run {mlflow_run_id} ({named}), but {why}: continue it in a new "
+            f"MLflow run of experiment {experiment!r}, which gets the metrics so far from the run's records and the "
+            f"tag {new_mlflow_run.PREVIOUS_TAG}={mlflow_run_id}, with:  {resume} --new-mlflow-run")
+    if deleted:  # the environment's MLFLOW_TRACKING_URI (a password in it stays unprinted), else the embedded store's
+        store_uri = "" if environ.get("MLFLOW_TRACKING_URI", "").strip() else f"MLFLOW_TRACKING_URI={shlex.quote(uri)} "
+        line += (f"; or restore the deleted run with:  {store_uri}{executable('mlflow')} runs restore --run-id "
+                 f"{mlflow_run_id}  and then:  {resume}")
+    return [line]
+
+
+def mlflow_run_gone(uri: str, mlflow_run_id: str) -> tuple[bool, str] | None:
+    """Whether MLflow at ``uri`` deleted run ``mlflow_run_id`` (True) or has no such run (False), and the words for
+    it; None when it is there, or MLflow did not answer within twice PROBE_SECONDS (the run then meets that itself)."""
+    from comlrl import tracking
+    from comlrl.tracking_spool import mlflow_client
+
+    tracking.bound_http_retries()
+    try:
+        found = tracking.call_with_deadline(lambda: mlflow_client(uri).get_run(mlflow_run_id), f"MLflow at {uri}",
+                                            seconds=2 * PROBE_SECONDS)
+    except Exception as error:
+        if getattr(error, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
+            return False, f"MLflow at {redacted(uri)} has no such run"
+        return None
+    if found.info.lifecycle_stage == "deleted":
+        return True, f"it was deleted in MLflow at {redacted(uri)}"
+    return None
 
 
 # ---- the servers ------------------------------------------------------------------------------------------------
@@ -329,11 +431,11 @@ def service_problems(environ: Mapping[str, str]) -> list[str]:
 
 
 def tracking_uri_problem(uri: str) -> str | None:
+    """Why MLflow cannot use ``uri``: a scheme it does not take, a bad port or host, or a local store (an SQLite
+    database, a ``file:`` URI or a plain path: MLflow keeps a file store there) that cannot be opened or created."""
     parts = urllib.parse.urlsplit(uri)
     scheme = parts.scheme.lower()
-    if not scheme:
-        return None  # a local path: MLflow keeps a file store there
-    if scheme not in TRACKING_SCHEMES and scheme.split("+")[0] not in DATABASE_SCHEMES:
+    if scheme and scheme not in TRACKING_SCHEMES and scheme.split("+")[0] not in DATABASE_SCHEMES:
         return (f"MLFLOW_TRACKING_URI={redacted(uri)!r} has the scheme {scheme!r}, which MLflow does not know: use "
                 f"http(s)://HOST:PORT for a tracking server, sqlite:///PATH, postgresql://..., file:///PATH, "
                 f"{TRACKING_FIX}")
@@ -343,6 +445,53 @@ def tracking_uri_problem(uri: str) -> str | None:
         return f"MLFLOW_TRACKING_URI={redacted(uri)!r} has a port that is not a number: fix it, {TRACKING_FIX}"
     if scheme in ("http", "https") and not parts.hostname:
         return f"MLFLOW_TRACKING_URI={redacted(uri)!r} names no host: use http(s)://HOST:PORT, {TRACKING_FIX}"
+    store = local_store(uri)
+    why = store_problem(store) if store is not None else None
+    if why is not None:
+        kind = "database" if scheme.startswith("sqlite") else "store"
+        return (f"MLFLOW_TRACKING_URI={redacted(uri)!r}: its {kind} {str(store)!r} {why}: point it at a writable "
+                f"place, {TRACKING_FIX}")
+    return None
+
+
+def local_store(uri: str) -> Path | None:
+    """Where a local MLflow store lives: a SQLite URI's database file, a ``file:`` URI's or a plain path's directory
+    (absolute); None for a server or another database, and for SQLite in memory."""
+    scheme = urllib.parse.urlsplit(uri).scheme.lower()
+    if scheme == "file":
+        return Path(os.path.abspath(urllib.parse.unquote(urllib.parse.urlsplit(uri).path)))
+    if not scheme:
+        return Path(os.path.abspath(uri))
+    if scheme.split("+")[0] != "sqlite":
+        return None
+    from sqlalchemy.engine.url import make_url
+
+    try:
+        url = make_url(uri)
+    except Exception:  # SQLAlchemy's ArgumentError: MLflow meets the same when it starts
+        return None
+    database = url.database
+    if not database or database == ":memory:" or database.startswith("file::memory:"):
+        return None
+    if url.query.get("uri") == "true" and database.startswith("file:"):  # an SQLite file: URI (flows.tracking_store)
+        path = urllib.parse.urlsplit(database).path
+        return Path(os.path.abspath(os.fsdecode(urllib.parse.unquote_to_bytes(path))))
+    return Path(os.path.abspath(database))
+
+
+def store_problem(store: Path) -> str | None:
+    """Why a local store at ``store`` cannot be opened or created (its file or directory, or the nearest existing
+    parent where MLflow would create it, does not take a file), or None."""
+    if store.exists():
+        directory = store if store.is_dir() else store.parent
+        if (error := refuses_a_file(directory)) is not None:
+            return f"is in {str(directory)!r}, which is not writable ({error.strerror or error})"
+        return None
+    existing = nearest_existing(store.parent)
+    if not existing.is_dir():
+        return f"cannot be created: {str(existing)!r} is a file, not a directory"
+    if (error := refuses_a_file(existing)) is not None:
+        return f"cannot be created: {str(existing)!r} does not take a file ({error.strerror or error})"
     return None
 
 

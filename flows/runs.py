@@ -9,7 +9,9 @@ Layout under the working directory (default ``.comlrl/``)::
     models/               tiny demo models, agents exported from the registry
     runs/<run_id>/        spec.yaml (as first run), checkpoints/checkpoint-N[-stepS], boundaries.jsonl, reward_curve.png,
                           resolved_spec.json, team/ (the team model as registered), tracking/
-                          (the MLflow spool), result.json, flow.lock (held while a process trains it)
+                          (the MLflow spool), result.json, flow.lock (held while a process trains it),
+                          mlflow_run.json (the MLflow run that replaced the one its checkpoints name:
+                          ``comlrl resume --new-mlflow-run``, flows/new_mlflow_run.py)
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def configure_embedded_default(workdir: str | Path) -> dict[str, str]:
             os.environ[key] = value
             applied[key] = value
     os.environ.setdefault("MLFLOW_TRACKING_URI", default_tracking_uri(workdir))  # creates the embedded store
-    if "PREFECT_API_DATABASE_CONNECTION_URL" in applied:  # Prefect would not make the folder its URI names
+    if "PREFECT_HOME" in applied:  # Prefect makes PREFECT_HOME without its parents, and none when its database URI
+        # is given; with MLFLOW_TRACKING_URI set, no embedded store has made the working directory either
         (workdir / "prefect").mkdir(parents=True, exist_ok=True)
     return applied
 
