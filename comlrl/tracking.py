@@ -266,7 +266,7 @@ def open_run(
         if run.info.status != "RUNNING":
             client.update_run(run.info.run_id, status="RUNNING")
         return {"run_id": run.info.run_id, "experiment_id": run.info.experiment_id, "tracking_uri": tracking_uri,
-                "owner": owner}
+                "owner": owner, "history_bytes": identity.get("history_bytes")}
     experiment_id = ensure_experiment(tracking_uri, experiment, artifact_root)
     found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
     if found:
@@ -489,7 +489,8 @@ class MLflowCallback(TrainerCallback):
         """Split what the spool holds at the start of training: the resumed history (before the checkpoint's
         offset; nothing for a run that did not resume) and the points an earlier attempt logged after it."""
         resumed, self._resumed_at = self._resumed_at, None  # this start's, not the next one's
-        cut = resumed if resumed is not None else self.spool.header_end
+        # a new MLflow run continuing a vanished one starts with the history its spool was given (flows.new_mlflow_run)
+        cut = resumed if resumed is not None else (self.identity.get("history_bytes") or self.spool.header_end)
         self.kept_steps, self.superseded_values, superseded_steps, latest = {}, 0, set(), 0
         self.earlier_values = {}
         for end, (key, value, timestamp, step) in self.spool.metric_points():
