@@ -466,7 +466,7 @@ def train_run(spec: RunSpec, run: RunPaths, root: str, tracking_uri: str) -> Any
 def close_rewards(trainer: Any) -> None:
     """Close the trainer's joint rewards: the one it trains on and, for MARLHF, the task reward its learned reward
     replaced (each :meth:`~comlrl.rollout.rewards.JointReward.close` closes its functions once)."""
-    rewards = [trainer.reward, getattr(trainer, "task_reward", None)]
+    rewards = [getattr(trainer, name, None) for name in ("reward", "task_reward")]  # MARLHF's reward comes later
     for index, reward in enumerate(rewards):
         if reward is not None and all(reward is not earlier for earlier in rewards[:index]):
             reward.close()

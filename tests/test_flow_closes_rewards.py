@@ -35,3 +35,17 @@ def test_the_end_of_a_run_closes_the_coding_tasks_sandbox(tiny_llama):
     assert not os.path.exists(job_dir) and worker.process is None
     assert task.executor._sandbox is None
     close_rewards(trainer)  # a second end closes nothing twice
+
+
+def test_a_trainer_without_a_joint_reward_yet_closes_nothing(tiny_llama):
+    """MARLHF builds its training reward only when a policy stage starts: a run ending before holds none."""
+    from comlrl.trainers.preference import MARLHFConfig, MARLHFTrainer
+
+    task = make_reward(workers=1, warm=True)
+    trainer = MARLHFTrainer(agent_model=tiny_llama, num_agents=2, reward_func=task, formatters=coding.FORMATTERS,
+                            train_dataset=Dataset.from_list([DOUBLE]),
+                            args=MARLHFConfig(num_agents=2, num_generations=2, max_new_tokens=4,
+                                              reward_model_device=None))
+    close_rewards(trainer)
+    assert task.executor._sandbox is None or task.executor._sandbox._warm_slots is None or all(
+        slot.process is None for slot in task.executor._sandbox._warm_slots.queue)
