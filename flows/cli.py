@@ -300,30 +300,56 @@ def serve(args: argparse.Namespace) -> int:
 def promote(args: argparse.Namespace) -> int:
     """Exit status 2 when a model or alias is missing or the gate kept the candidate out; 75 when MLflow
     does not answer within COMLRL_MLFLOW_DEADLINE seconds (default 60), each call bounded as well
-    (comlrl.tracking.HTTP_BOUNDS unless the environment sets MLflow's MLFLOW_HTTP_REQUEST_* itself)."""
-    if not _configured(args.workdir, orchestrate=False):
-        return 2
-    from comlrl import tracking
-    from flows import gate
+    (comlrl.tracking.HTTP_BOUNDS unless the environment sets MLflow's MLFLOW_HTTP_REQUEST_* itself); 128 + its
+    number for SIGINT/SIGTERM. Each ends with one line that says where the alias stands.
 
-    uri = os.environ["MLFLOW_TRACKING_URI"]
-    tracking.bound_http_retries()
+    The reads come first (flows.gate.plan_promotion): a stop there ends the command at once, nothing moved. The
+    writes (flows.gate.carry_out) are a critical section (flows.critical): a stop during it lets them finish, a
+    second stop ends the command at once; NAME-team@ALIAS then names one whole team, and running this again (or
+    the next gate) completes the agents' aliases, as after a SIGKILL (flows.registry.repair_team_alias)."""
+    from flows.critical import StopSignals, Stopped
+
+    stops, plan = StopSignals(), None
     try:
-        moved = tracking.call_with_deadline(
-            lambda: gate.promote(uri, args.model, args.from_alias, args.to_alias, force=args.force), f"MLflow at {uri}")
+        with stops:
+            if not _configured(args.workdir, orchestrate=False):
+                return 2
+            from comlrl import tracking
+            from flows import gate
+
+            uri = os.environ["MLFLOW_TRACKING_URI"]
+            tracking.bound_http_retries()
+            plan = tracking.call_with_deadline(lambda: gate.plan_promotion(
+                uri, args.model, args.from_alias, args.to_alias, force=args.force), f"MLflow at {uri}")
+            with stops.critical():
+                moved = tracking.call_with_deadline(lambda: gate.carry_out(uri, plan), f"MLflow at {uri}")
+            if plan.half_moved is not None:
+                print(f"comlrl promote: {plan.half_moved.describe()}; completed: every {args.to_alias} alias now "
+                      f"names {plan.describe()}", file=sys.stderr)
+            if plan.refusal is not None:
+                print(f"comlrl promote: {plan.refusal}", file=sys.stderr)
+                return 2
+            for entry in moved:
+                print(f"{entry['name']}: {args.to_alias} -> version {entry['version']} (was {entry['previous']})")
+            return 0
+    except Stopped as stopped:
+        from flows.gate import promotion_state  # imported already, unless the stop came while it was
+
+        second = " (a second signal)" if stopped.moment == "during" else ""
+        print(f"comlrl promote: stopped by {stopped}{second} {promotion_state(plan, stopped.moment)}", file=sys.stderr)
+        return stopped.exit_status
     except ValueError as error:
         print(f"comlrl promote: {error}", file=sys.stderr)
         return 2
     except Exception as error:
-        if not tracking.unreachable(error):
+        from comlrl.tracking import unreachable
+        from flows.gate import promotion_state
+
+        if not unreachable(error):
             raise
-        print(f"comlrl promote: MLflow unreachable ({str(error)[:300]}). If it stopped answering while the aliases "
-              f"were being moved, some may have moved: run this again once it answers (it moves them to the same "
-              f"versions)", file=sys.stderr)
+        print(f"comlrl promote: MLflow unreachable ({str(error)[:300]}) {promotion_state(plan, stops.moment)}",
+              file=sys.stderr)
         return EXIT_TRACKING_UNREACHABLE
-    for entry in moved:
-        print(f"{entry['name']}: {args.to_alias} -> version {entry['version']} (was {entry['previous']})")
-    return 0
 
 
 def demo(args: argparse.Namespace) -> int:
