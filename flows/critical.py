@@ -19,7 +19,7 @@ BEFORE, DURING, AFTER = "before", "during", "after"  # the moments a stop can co
 
 
 class Stopped(KeyboardInterrupt):
-    """A stop signal, at :attr:`moment` (:data:`BEFORE`, :data:`DURING` or :data:`AFTER` the critical section)."""
+    """A stop signal, at :attr:`moment` (`BEFORE`, `DURING` or `AFTER` the critical section)."""
 
     def __init__(self, number: int, moment: str) -> None:
         super().__init__(signal.Signals(number).name)
@@ -56,7 +56,7 @@ class StopSignals:
 
     @contextlib.contextmanager
     def critical(self) -> Iterator[None]:
-        """The block's writes finish whatever the first stop signal; it is raised (:data:`AFTER`) once they have."""
+        """The block's writes finish whatever the first stop signal; it is raised (`AFTER`) once they have."""
         self.moment = DURING
         try:
             yield

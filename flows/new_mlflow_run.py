@@ -66,7 +66,7 @@ def write_record(directory: Path, record: dict[str, Any]) -> None:
 
 def request(run: RunPaths) -> str:
     """Record that the run continues in a new MLflow run, replacing the one its newest checkpoint names; returns that
-    one's id. :class:`ValueError` when no checkpoint names an MLflow run (a resume then finds or starts one itself)."""
+    one's id. ``ValueError`` when no checkpoint names an MLflow run (a resume then finds or starts one itself)."""
     checkpoint, recorded = newest_identity(run)
     if not recorded or not recorded.get("run_id"):
         where = f"its newest checkpoint {checkpoint.name} names none" if checkpoint else "it has no checkpoint yet"
