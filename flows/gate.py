@@ -257,7 +257,7 @@ def promote(tracking_uri: str, base: str, from_alias: str = "candidate", to_alia
     promotion = plan_promotion(tracking_uri, base, from_alias, to_alias, force)
     moved = carry_out(tracking_uri, promotion)
     if promotion.half_moved is not None:
-        logger.warning("comlrl promote found %s; completed", promotion.half_moved.describe())
+        logger.warning("the promotion found %s; completed", promotion.half_moved.describe())
     if promotion.refusal is not None:
         raise ValueError(promotion.refusal)
     return moved

@@ -128,9 +128,9 @@ def start_run(checkpoint: Path, recorded: dict[str, Any], tracking_uri: str, exp
         f"tags.`{tracking.RUN_KEY_TAG}` = '{run_key}' and tags.`{PREVIOUS_TAG}` = '{previous}'"))
     if found:
         return {"run_id": found[0].info.run_id, "experiment_id": experiment_id, "tracking_uri": tracking_uri}
-    note = (f"Continues comlrl run {run_key} from {checkpoint.name}: the MLflow run it logged to before, {previous} "
+    note = (f"Continues the training run {run_key} from {checkpoint.name}: the MLflow run it logged to before, {previous} "
             f"(recorded at {recorded.get('tracking_uri', tracking_uri)}), was gone when it resumed, so it resumed into "
-            "this new run (comlrl resume --new-mlflow-run). The metrics up to that checkpoint were logged here from "
+            "this new run (a resume with --new-mlflow-run). The metrics up to that checkpoint were logged here from "
             "the run's own records, with their steps and times.")
     run = client.create_run(experiment_id, run_name=run_key, tags={
         **tags, PREVIOUS_TAG: previous, CONTINUED_TAG: checkpoint.name, NOTE_TAG: note})

@@ -15,11 +15,17 @@ from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 
 @runtime_checkable
-class RewardFunction(Protocol):
-    """A reward in the trainers' call shape that declares its scale, ``(minimum, maximum)`` (read, and checked,
-    by :func:`comlrl.rollout.rewards.resolve_reward_range`); a plain function without one is still a reward."""
+class DeclaresRange(Protocol):
+    """Anything that declares a reward's scale, ``(minimum, maximum)``, read and checked by
+    :func:`comlrl.rollout.rewards.resolve_reward_range` (comlrl 1.4.3 reads the attribute from any object)."""
 
     reward_range: tuple[float, float]
+
+
+@runtime_checkable
+class RewardFunction(DeclaresRange, Protocol):
+    """A reward in the trainers' call shape that declares its scale; a plain function without one is still a
+    reward."""
 
     def __call__(self, *completions: Sequence[str], batch_items: Sequence[Any] | None = None) -> Sequence[float]: ...
 
@@ -46,4 +52,4 @@ class Closable(Protocol):
     def close(self) -> None: ...
 
 
-__all__ = ["Closable", "KeepsSampleRows", "ReportsMetrics", "RewardFunction"]
+__all__ = ["Closable", "DeclaresRange", "KeepsSampleRows", "ReportsMetrics", "RewardFunction"]

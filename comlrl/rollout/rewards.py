@@ -28,7 +28,7 @@ import numpy
 import torch
 
 from comlrl.rollout.reward_calls import BoundedCaller, RewardCallPolicy
-from comlrl.rollout.reward_function import Closable, KeepsSampleRows, ReportsMetrics, RewardFunction
+from comlrl.rollout.reward_function import Closable, DeclaresRange, KeepsSampleRows, ReportsMetrics
 
 RewardFunc = Callable[..., Sequence[float]]
 
@@ -102,7 +102,7 @@ def resolve_reward_range(reward_func: Callable[..., Any]) -> tuple[float, float]
 
     Raises ``ValueError`` if the declaration is not two finite numbers with minimum < maximum.
     """
-    if not isinstance(reward_func, RewardFunction) or reward_func.reward_range is None:
+    if not isinstance(reward_func, DeclaresRange) or reward_func.reward_range is None:
         return None
     declared = reward_func.reward_range
     if isinstance(declared, (str, bytes)) or not isinstance(declared, Sequence) or len(declared) != 2:
